@@ -1,0 +1,275 @@
+"""Data-parallel communication: bytes all-reduced and seconds per step, ours against full-matrix gradients.
+
+    python -m bench.allreduce --model sd15-shape --resolution 256 --steps 3
+
+Starts ``--world_size`` processes (gloo, localhost, ``cores / world_size`` threads each). In each,
+both modes run interleaved under ``DistributedDataParallel``: ``ours`` wraps only the learned rows
+(what the engine does), ``reference`` wraps the text encoder with its whole token-embedding matrix
+trainable (what diffusers' example does). A DDP communication hook (the engine's
+``_AllreduceCounter``) counts the bytes each step all-reduces; ``allreduce_seconds`` is the time
+of all-reducing that many bytes alone, ``allreduce_wait_seconds`` the time from the hook's call to
+the result inside the step (it includes waiting for the slower rank).
+
+``--split_rounds`` then compares the ways to use one node's cores for the same global batch:
+``world_size`` processes x ``cores / world_size`` threads against 1 process x ``cores`` threads,
+our step only, in alternating fresh launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench import common
+from helpers import cpu
+from helpers import textual_inversion as ti
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.allreduce", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny, sd15-shape, or a local diffusers folder")
+    parser.add_argument(
+        "--resolution", type=int, default=None, help="pixels (default 64 tiny, 256 otherwise)"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="images per process per step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--world_size", type=int, default=2, help="processes")
+    parser.add_argument("--split_rounds", type=int, default=1, help="launches per layout (0: skip the split)")
+    parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON: modes, result file
+    args = parser.parse_args(argv)
+    if args.resolution is None:
+        args.resolution = 64 if args.model == "tiny" else 256
+    return args
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.worker is not None:
+        return _worker(args, json.loads(args.worker))
+    cores = cpu.physical_cores()
+    threads = max(1, cores // args.world_size)
+    comm = launch(args, args.world_size, threads, args.batch, ["ours", "reference"])
+    ours, ref = comm["modes"]["ours"], comm["modes"]["reference"]
+    report: dict[str, Any] = {
+        "benchmark": "allreduce",
+        "model": args.model,
+        "resolution": args.resolution,
+        "batch_per_process": args.batch,
+        "world_size": args.world_size,
+        "threads_per_process": threads,
+        "steps": args.steps,
+        "machine": common.machine(),
+        "modes": comm["modes"],
+        "bytes_ratio": ref["allreduce_bytes_per_step"] / ours["allreduce_bytes_per_step"],
+        "speedup": ref["seconds_per_step"]["median"] / ours["seconds_per_step"]["median"],
+    }
+    if args.split_rounds:
+        report["split"] = _split(args, cores, threads)
+    out = Path(args.out) if args.out else common.RESULTS / f"allreduce-{args.model}-{args.resolution}px.json"
+    common.write_json(out, report)
+    print(format_report(report))
+    print(f"wrote {out}")
+    return report
+
+
+def _split(args: argparse.Namespace, cores: int, threads: int) -> dict[str, Any]:
+    """``world_size`` x ``threads`` against 1 x ``cores`` for the same images per step, alternating."""
+    layouts = {
+        f"{args.world_size}x{threads}": (args.world_size, threads, args.batch),
+        f"1x{cores}": (1, cores, args.batch * args.world_size),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in layouts}
+    names = list(layouts)
+    for r in range(args.split_rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            world, t, batch = layouts[name]
+            res = launch(args, world, t, batch, ["ours"])
+            runs[name].append(res["modes"]["ours"]["seconds_per_step"]["median"])
+    images = args.batch * args.world_size
+    out: dict[str, Any] = {"images_per_step": images, "layouts": {}}
+    for name, seconds in runs.items():
+        s = common.summarize(seconds)["median"]
+        out["layouts"][name] = {"seconds_per_step": s, "images_per_second": images / s}
+    a, b = (out["layouts"][n]["images_per_second"] for n in names)
+    out["speedup_of_processes"] = a / b
+    return out
+
+
+def format_report(r: dict[str, Any]) -> str:
+    ours, ref = r["modes"]["ours"], r["modes"]["reference"]
+    lines = [
+        f"{r['model']} {r['resolution']} px, {r['world_size']} processes x {r['threads_per_process']} threads, "
+        f"batch {r['batch_per_process']} per process, {r['steps']} steps/mode (gloo, localhost)",
+        f"{'':28}{'ours':>14}{'reference':>14}",
+        f"{'bytes all-reduced/step':28}{ours['allreduce_bytes_per_step']:>14,}{ref['allreduce_bytes_per_step']:>14,}",
+        f"{'all-reduce s/step':28}{ours['allreduce_seconds']:>14.4f}{ref['allreduce_seconds']:>14.4f}",
+        f"{'s/step (median)':28}{ours['seconds_per_step']['median']:>14.3f}{ref['seconds_per_step']['median']:>14.3f}",
+        f"bytes: {r['bytes_ratio']:,.0f}x fewer; step: {r['speedup']:.2f}x faster",
+    ]
+    if "split" in r:
+        for name, v in r["split"]["layouts"].items():
+            lines.append(
+                f"layout {name}: {v['seconds_per_step']:.3f} s/step, {v['images_per_second']:.3f} images/s"
+            )
+        lines.append(f"processes over threads: {r['split']['speedup_of_processes']:.2f}x images/s")
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    args: argparse.Namespace, world: int, threads: int, batch: int, modes: list[str]
+) -> dict[str, Any]:
+    """Start ``world`` worker processes; return rank 0's results."""
+    with tempfile.TemporaryDirectory(prefix="bench-allreduce-") as work:
+        result_file = Path(work) / "result.json"
+        spec = json.dumps({"modes": modes, "result": str(result_file), "threads": threads})
+        port = str(_free_port())
+        procs = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "OMP_NUM_THREADS": str(threads),
+            }
+            cmd = [sys.executable, "-m", "bench.allreduce", "--worker", spec, "--model", args.model]
+            cmd += ["--resolution", str(args.resolution), "--batch", str(batch)]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        outputs = [p.communicate() for p in procs]
+        failed = [
+            (i, err) for i, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if p.returncode
+        ]
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]} failed:\n{failed[0][1][-3000:]}")
+        return json.loads(result_file.read_text())
+
+
+class _TimedCounter(ti._AllreduceCounter):
+    """The engine's byte counter, also timing each all-reduce (hook call to completion)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = 0.0
+
+    def hook(self, state, bucket):
+        start = time.perf_counter()
+        fut = super().hook(state, bucket)
+
+        def done(f):
+            self.seconds += time.perf_counter() - start
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def reset(self) -> None:
+        self.bytes, self.calls, self.seconds = 0, 0, 0.0
+
+
+def _worker(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank: both modes under DDP, interleaved; rank 0 writes the results."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(spec["threads"])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        with common.scratch_dir() as work:
+            setup = common.make_setup(args.model, args.resolution, args.batch, work)
+            setup.rank, setup.world_size = rank, world
+            steps: dict[str, Any] = {}
+            counters = {name: _TimedCounter() for name in spec["modes"]}
+            if "ours" in spec["modes"]:
+                ours = common.OursStep(setup)
+                if world > 1:
+                    ours.learned = DDP(ours.learned)
+                    ours.learned.register_comm_hook(state=None, hook=counters["ours"].hook)
+                steps["ours"] = ours
+            if "reference" in spec["modes"]:
+                ref = common.ReferenceStep(setup)
+                with ref.active():  # DDP registers the parameters that require grad at construction
+                    if world > 1:
+                        ref.text_encoder = DDP(setup.parts.text_encoder)
+                        ref.text_encoder.register_comm_hook(state=None, hook=counters["reference"].hook)
+                steps["reference"] = ref
+
+            def timed(name):
+                def run(i: int) -> dict[str, float]:
+                    counters[name].reset()
+                    with steps[name].active():
+                        start = time.perf_counter()
+                        steps[name](i)
+                        seconds = time.perf_counter() - start
+                    c = counters[name]
+                    return {"total": seconds, "bytes": c.bytes, "calls": c.calls, "comm": c.seconds}
+
+                return run
+
+            with cpu.keep_freed_memory():  # as the engine's loop
+                results = common.run_interleaved({n: timed(n) for n in steps}, args.steps, args.warmup)
+            transfer = {n: _allreduce_seconds(max(r["bytes"] for r in results[n])) for n in steps}
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    modes = {}
+    for name, runs in results.items():
+        modes[name] = {
+            "seconds_per_step": common.summarize([r["total"] for r in runs]),
+            "allreduce_bytes_per_step": max(r["bytes"] for r in runs),
+            "allreduce_seconds": transfer[name],
+            "allreduce_wait_seconds": common.summarize([r["comm"] for r in runs])["median"],
+            "parameters_all_reduced": sum(p.numel() for p in _trainable(steps[name])),
+        }
+    out = {"world_size": world, "threads": torch.get_num_threads(), "batch": args.batch, "modes": modes}
+    if rank == 0:
+        common.write_json(spec["result"], out)
+    return out
+
+
+def _allreduce_seconds(nbytes: int, repeats: int = 5) -> float:
+    """Median time of all-reducing ``nbytes`` of fp32 alone (ranks aligned by a barrier first)."""
+    if dist.get_world_size() < 2 or nbytes == 0:
+        return 0.0
+    buffer = torch.zeros(nbytes // 4)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        times.append(time.perf_counter() - start)
+    return common.summarize(times)["median"]
+
+
+def _trainable(step) -> list[torch.nn.Parameter]:
+    if isinstance(step, common.OursStep):
+        return list(step.learned.parameters())
+    return [step.embedding.weight]
+
+
+if __name__ == "__main__":
+    main(parse_args())

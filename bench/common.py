@@ -1,0 +1,479 @@
+"""Shared pieces of the benchmarks: models, data, the two training steps, phase timers, FLOPs, memory.
+
+Two ways to run a textual-inversion step on the same modules, so both are timed in one process:
+
+* :class:`OursStep`: the engine's step, built from the engine's own functions
+  (:func:`helpers.textual_inversion.draw_batch`, :func:`~helpers.textual_inversion.diffusion_loss`,
+  :class:`~helpers.textual_inversion.LearnedEmbeddings`): only the new rows are parameters,
+  latents come from the cache.
+* :class:`ReferenceStep`: the approach of diffusers' ``examples/textual_inversion``: the whole
+  token-embedding matrix is trainable with AdamW, every other row is restored after each step, and
+  the VAE encoder runs inside every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from helpers import cpu, data, models
+from helpers import textual_inversion as ti
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PLACEHOLDER, INITIALIZER = "<bench>", "toy"
+SEED = 0
+LEARNING_RATE = 5e-4
+
+
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward_flops(
+    grad_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
+    return sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape)
+
+
+# torch's FLOP counter has no formula for the CPU flash-attention kernels; they are SDPA all the same.
+CPU_SDPA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+}
+
+
+def model_dir(name: str) -> Path:
+    """``tiny``, ``sd15-shape`` (both built offline and cached) or a local diffusers folder."""
+    if name == models.TINY:
+        return models.tiny_pipeline_dir()
+    if name == models.SD15_SHAPE:
+        return models.sd15_shape_pipeline_dir()
+    return models.resolve_model(name)
+
+
+def concept_dir(resolution: int, dest: str | os.PathLike) -> Path:
+    """The bundled sample concept, upscaled (bicubic) into ``dest`` if its images are smaller.
+
+    The engine refuses images smaller than the training resolution; the sample images are 160 px.
+    """
+    from PIL import Image
+
+    src = data.sample_concept_dir()
+    images = data.validate_image_folder(src)
+    sizes = []
+    for path in images:
+        with Image.open(path) as img:
+            sizes.append(min(img.size))
+    if min(sizes) >= resolution:
+        return src
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in images:
+        with Image.open(path) as img:
+            scale = resolution / min(img.size)
+            size = (max(resolution, round(img.width * scale)), max(resolution, round(img.height * scale)))
+            img.convert("RGB").resize(size, Image.Resampling.BICUBIC).save(dest / f"{path.stem}.png")
+    return dest
+
+
+_peak_before_reset_mib = 0.0
+
+
+def _vm_hwm_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size since it started (MiB), across :func:`reset_peak_rss`."""
+    return max(_peak_before_reset_mib, _vm_hwm_mib())
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark (``VmHWM``) to the current RSS (Linux >= 4.0).
+
+    Loading the weights has the same transient peak in every mode; resetting after it isolates
+    the memory a mode needs to train. :func:`peak_rss_mib` still reports the whole process.
+    """
+    global _peak_before_reset_mib
+    _peak_before_reset_mib = max(_peak_before_reset_mib, _vm_hwm_mib())
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_since_reset_mib() -> float:
+    """``VmHWM``: the peak RSS since :func:`reset_peak_rss` (or since the start), in MiB."""
+    return _vm_hwm_mib()
+
+
+def gemm_gflops(n: int = 2048, repeats: int = 6) -> float:
+    """This machine's fp32 matrix-multiply speed (GFLOP/s) at the current thread setting: best of ``repeats``."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of ``fn()`` as torch's FLOP counter sees them (matmuls, convolutions, attention)."""
+    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def summarize(seconds: list[float]) -> dict[str, float]:
+    """Median, min and max of a list of step times."""
+    return {
+        "median": statistics.median(seconds),
+        "min": min(seconds),
+        "max": max(seconds),
+        "n": len(seconds),
+    }
+
+
+def write_json(path: str | os.PathLike, value: Any) -> Path:
+    """Write JSON atomically (temporary name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import diffusers
+    import transformers
+
+    from helpers import cpu
+
+    rep = cpu.report()
+    return {
+        "cpu": rep.model_name,
+        "physical_cores": rep.physical_cores,
+        "isa": sorted(f for f, on in rep.isa_flags.items() if on),
+        "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "load_average": os.getloadavg(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+    }
+
+
+# --- the steps --------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    """Frozen modules, the dataset and a fixed batch order, shared by both steps."""
+
+    parts: models.Components
+    token_ids: list[int]
+    dataset: data.ConceptDataset
+    batch_size: int
+    order: list[int] = field(default_factory=list)
+    rank: int = 0
+    world_size: int = 1
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """This rank's items of one step (the same for both modes), collated."""
+        n, first = len(self.order), (step * self.world_size + self.rank) * self.batch_size
+        indices = [self.order[(first + k) % n] for k in range(self.batch_size)]
+        items = [self.dataset[i] for i in indices]
+        return {
+            "index": torch.tensor(indices),
+            "view_index": torch.tensor([it["view_index"] for it in items]),
+            "input_ids": torch.stack([it["input_ids"] for it in items]),
+        }
+
+
+def make_setup(model: str, resolution: int, batch_size: int, workdir: str | os.PathLike) -> Setup:
+    """Load the components, add the placeholder token, freeze everything, build the dataset."""
+    parts = models.load_components(model_dir(model))
+    token_ids = ti.add_placeholder_tokens(parts.tokenizer, parts.text_encoder, PLACEHOLDER, INITIALIZER)
+    for module in (parts.text_encoder, parts.vae, parts.unet):
+        module.requires_grad_(False)
+        module.eval()
+    dataset = data.ConceptDataset(
+        concept_dir(resolution, Path(workdir) / "concept"),
+        parts.tokenizer,
+        PLACEHOLDER,
+        size=resolution,
+        repeats=100,
+        seed=SEED,
+    )
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED)).tolist()
+    return Setup(parts, token_ids, dataset, batch_size, order)
+
+
+class PhaseTimer:
+    """Wall-clock phases of one step, taken from module hooks (the engine's code is not changed).
+
+    Phases, which add up to the step: ``inputs`` (latents and noise: drawn from the cache, or the
+    VAE encoder for the reference), ``text_encoder_forward``, ``unet_forward``, ``loss``,
+    ``unet_backward`` (until the gradient of the text encoder's output is complete),
+    ``text_encoder_backward``, ``optimizer`` (for the reference also restoring the rows).
+    """
+
+    def __init__(self, text_encoder: torch.nn.Module, unet: torch.nn.Module):
+        self.marks: dict[str, float] = {}
+        self.handles = [
+            text_encoder.register_forward_pre_hook(lambda *a: self.mark("te_fwd_start")),
+            text_encoder.register_forward_hook(self._text_encoder_done),
+            unet.register_forward_hook(lambda *a: self.mark("unet_fwd_end")),
+        ]
+
+    def _text_encoder_done(self, module, args, output) -> None:
+        self.mark("te_fwd_end")
+        hidden = output[0]
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: self.mark("unet_bwd_end"))
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.perf_counter()
+
+    def start(self) -> None:
+        self.marks = {"start": time.perf_counter()}
+
+    def phases(self) -> dict[str, float]:
+        m = self.marks
+
+        def span(a: str, b: str) -> float:
+            return m[b] - m[a] if a in m and b in m else 0.0
+
+        return {
+            "inputs": span("start", "te_fwd_start"),
+            "text_encoder_forward": span("te_fwd_start", "te_fwd_end"),
+            "unet_forward": span("te_fwd_end", "unet_fwd_end"),
+            "loss": span("unet_fwd_end", "backward_start"),
+            "unet_backward": span("backward_start", "unet_bwd_end"),
+            "text_encoder_backward": span("unet_bwd_end", "backward_end"),
+            "optimizer": span("backward_end", "end"),
+            "communication": 0.0,  # one process: nothing to all-reduce (see bench/allreduce.py)
+            "total": span("start", "end"),
+        }
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class OursStep:
+    """The engine's step: only the new rows train, latents come from the cache (VAE ran once)."""
+
+    name = "ours"
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        parts = setup.parts
+        self.unet = parts.unet
+        self.latent_mean, self.latent_std = ti.cache_latents(parts.vae, setup.dataset)
+        weight = parts.text_encoder.get_input_embeddings().weight
+        self.learned: torch.nn.Module = ti.LearnedEmbeddings(weight[setup.token_ids], setup.token_ids)
+        self.optimizer = torch.optim.AdamW(self.learned.parameters(), lr=LEARNING_RATE, weight_decay=1e-2)
+        self.hook: ti._EmbeddingHook | None = None
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Route the token embedding through the learned rows (the frozen matrix gets no gradient)."""
+        self.hook = ti._EmbeddingHook(self.setup.parts.text_encoder, self.learned)
+        try:
+            yield
+        finally:
+            self.hook.remove()
+
+    def __call__(self, step: int, timer: PhaseTimer | None = None) -> float:
+        parts, batch = self.setup.parts, self.setup.batch(step)
+        timer = timer or _NullTimer()
+        timer.start()
+        latents, noise, timesteps = ti.draw_batch(
+            self.latent_mean,
+            self.latent_std,
+            batch["index"],
+            batch["view_index"],
+            parts.noise_scheduler.config.num_train_timesteps,
+            SEED,
+            0,
+        )
+        loss = ti.diffusion_loss(
+            self.unet,
+            parts.text_encoder,
+            parts.noise_scheduler,
+            batch["input_ids"],
+            latents * parts.vae.config.scaling_factor,
+            noise,
+            timesteps,
+        )
+        timer.mark("backward_start")
+        loss.backward()
+        timer.mark("backward_end")
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        timer.mark("end")
+        return loss.item()
+
+
+class ReferenceStep:
+    """diffusers' textual-inversion step: whole matrix in AdamW, rows restored, VAE every step."""
+
+    name = "reference"
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        self.unet = setup.parts.unet
+        self.text_encoder: torch.nn.Module = setup.parts.text_encoder  # or its DDP wrapper
+        self.embedding = setup.parts.text_encoder.get_input_embeddings()
+        self.original = self.embedding.weight.detach().clone()
+        self.keep = torch.ones(self.embedding.weight.shape[0], dtype=torch.bool)
+        self.keep[min(setup.token_ids) : max(setup.token_ids) + 1] = False
+        self.optimizer = torch.optim.AdamW(self.embedding.parameters(), lr=LEARNING_RATE, weight_decay=1e-2)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Make the whole token-embedding matrix trainable, as the reference script does."""
+        self.embedding.weight.requires_grad_(True)
+        try:
+            yield
+        finally:
+            self.embedding.weight.requires_grad_(False)
+
+    def __call__(self, step: int, timer: PhaseTimer | None = None) -> float:
+        parts, batch = self.setup.parts, self.setup.batch(step)
+        vae, scheduler = parts.vae, parts.noise_scheduler
+        timer = timer or _NullTimer()
+        timer.start()
+        pixels = torch.stack([self.setup.dataset.view_pixels(int(v)) for v in batch["view_index"]])
+        latents = vae.encode(pixels).latent_dist.sample().detach() * vae.config.scaling_factor
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],))
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        hidden = self.text_encoder(batch["input_ids"])[0]
+        pred = self.unet(noisy, timesteps, hidden).sample
+        loss = F.mse_loss(pred.float(), noise.float(), reduction="mean")
+        timer.mark("backward_start")
+        loss.backward()
+        timer.mark("backward_end")
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        with torch.no_grad():
+            self.embedding.weight[self.keep] = self.original[self.keep]
+        timer.mark("end")
+        return loss.item()
+
+
+class _NullTimer:
+    def start(self) -> None:
+        pass
+
+    def mark(self, name: str) -> None:
+        pass
+
+
+def run_interleaved(
+    steps: dict[str, Callable[[int], dict[str, float]]],
+    n: int,
+    warmup: int = 1,
+    between: Callable[[], None] | None = None,
+) -> dict[str, list[dict[str, float]]]:
+    """Run each step function ``warmup`` times, then ``n`` times interleaved (A B, B A, A B, ...).
+
+    Alternating the order cancels slow drifts of the machine (other jobs, thermal); ``between``
+    runs after each round (e.g. to sample the GEMM speed). Returns each mode's list of results.
+    """
+    names = list(steps)
+    for w in range(warmup):
+        for name in names:
+            steps[name](w)
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for i in range(n):
+        for name in names if i % 2 == 0 else names[::-1]:
+            results[name].append(steps[name](warmup + i))
+        if between:
+            between()
+    return results
+
+
+def run_engine(
+    model: str,
+    resolution: int,
+    batch_size: int,
+    steps: int,
+    workdir: str | os.PathLike,
+    malloc_tuning: bool = True,
+    **overrides: Any,
+) -> dict[str, float]:
+    """Run the real engine, ``train(config)``, for ``steps`` steps; its speed and memory.
+
+    ``malloc_tuning=False`` runs it without :func:`helpers.cpu.keep_freed_memory` (glibc's defaults).
+
+    Returns:
+        ``seconds_per_step`` (median of the steps after the first), ``peak_rss_mib`` (whole
+        process) and ``training_peak_rss_mib`` (peak since the weights were loaded: the mark is
+        reset just before the engine caches the latents).
+    """
+    from helpers.config import TrainConfig
+
+    config = TrainConfig(
+        pretrained_model_name_or_path=str(model_dir(model)),
+        train_data_dir=str(concept_dir(resolution, Path(workdir) / "concept")),
+        placeholder_token=PLACEHOLDER,
+        initializer_token=INITIALIZER,
+        resolution=resolution,
+        train_batch_size=batch_size,
+        max_train_steps=steps,
+        learning_rate=LEARNING_RATE,
+        mixed_precision="no",
+        save_steps=steps + 1,
+        checkpointing_steps=steps + 1,
+        output_dir=str(Path(workdir) / "out"),
+        seed=SEED,
+        **overrides,
+    )
+    cache_latents = ti.cache_latents
+
+    def reset_then_cache(*args: Any, **kwargs: Any):
+        reset_peak_rss()
+        return cache_latents(*args, **kwargs)
+
+    ti.cache_latents = reset_then_cache  # train() calls it right after loading the weights
+    keep_freed_memory = cpu.keep_freed_memory
+    if not malloc_tuning:
+        cpu.keep_freed_memory = lambda: nullcontext(False)
+    try:
+        history = ti.train(config).history
+    finally:
+        ti.cache_latents = cache_latents
+        cpu.keep_freed_memory = keep_freed_memory
+    return {
+        "seconds_per_step": summarize([h["seconds"] for h in history[1:] or history])["median"],
+        "peak_rss_mib": peak_rss_mib(),
+        "training_peak_rss_mib": peak_rss_since_reset_mib(),
+    }
+
+
+def scratch_dir() -> tempfile.TemporaryDirectory:
+    """A temporary folder for upscaled concept images and child outputs."""
+    return tempfile.TemporaryDirectory(prefix="bench-")

@@ -1,0 +1,142 @@
+"""Seconds per image: PyTorch fp32 against OpenVINO dynamic, static and static int8, side by side.
+
+    python -m bench.inference --model tiny
+    python -m bench.inference --model sd15-shape --resolution 512 --steps 20
+
+One process, one prompt with a learned token (random vectors inserted the way a trained concept
+is), the same steps, size and initial latents for every variant. After one untimed warm-up call
+per variant, ``--repeats`` rounds run the four variants in turn (alternating the order, so drift
+of the machine affects all alike). Prints the median seconds per image, the speed-up over
+PyTorch, PSNR against PyTorch, export times and model sizes; writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from helpers import cpu, inference, models
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOKEN = "<bench>"
+PROMPT = f"a photo of {TOKEN} on a beach"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.inference", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model", default="tiny", help="tiny, sd15-shape (random weights), or a diffusers folder"
+    )
+    parser.add_argument(
+        "--resolution", type=int, default=None, help="pixels (default: 128 tiny, 512 otherwise)"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="denoising steps per image")
+    parser.add_argument("--batch", type=int, default=1, help="prompts per call (static batch)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds over the four variants")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
+    parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
+    args = parser.parse_args(argv)
+    if args.resolution is None:  # tiny: 128 px, as 64 px hits the int8 static-shape bug (see inference.py)
+        args.resolution = 128 if args.model == "tiny" else 512
+    return args
+
+
+def _model_dir(name: str) -> Path:
+    return models.sd15_shape_pipeline_dir() if name == "sd15-shape" else models.resolve_model(name)
+
+
+def _timed(fn, *args, **kwargs) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Export, load the four variants, time them round-robin; return (and write) the results."""
+    threads = cpu.set_threads(args.threads)
+    model = _model_dir(args.model)
+    width = json.loads((model / "text_encoder" / "config.json").read_text())["hidden_size"]
+    prompts, size = [PROMPT] * args.batch, dict(height=args.resolution, width=args.resolution)
+    with tempfile.TemporaryDirectory(prefix="bench-inference-") as work:
+        embeds = Path(work) / "learned_embeds.safetensors"
+        # a stand-in concept, about the scale of real token embeddings (values ~0.01)
+        save_file(
+            {TOKEN: torch.randn(1, width, generator=torch.Generator().manual_seed(0)) * 0.01}, str(embeds)
+        )
+        fp32, fp32_s = _timed(inference.export_openvino, model, Path(work) / "fp32", learned_embeds=embeds)
+        int8, int8_s = _timed(inference.export_openvino, fp32, Path(work) / "int8", weight_format="int8")
+        pipes = {
+            "pytorch_fp32": inference.load_pytorch_pipeline(model, learned_embeds=embeds),
+            "openvino_dynamic": inference.load_openvino_pipeline(fp32),
+            "openvino_static": inference.reshape_static(
+                inference.load_openvino_pipeline(fp32, compile=False), args.batch, **size
+            ),
+            "openvino_static_int8": inference.reshape_static(
+                inference.load_openvino_pipeline(int8, compile=False), args.batch, **size
+            ),
+        }
+        megabytes = {"fp32": inference.disk_megabytes(fp32), "int8": inference.disk_megabytes(int8)}
+        names, seconds, images = list(pipes), {name: [] for name in pipes}, {}
+        for round_ in range(args.repeats + 1):  # round 0 is the warm-up
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                run = inference.generate(
+                    pipes[name], prompts, num_inference_steps=args.steps, warmup=False, **size
+                )
+                if round_:
+                    seconds[name].append(run.seconds_per_image)
+                images[name] = run.images
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    result = {
+        "model": args.model,
+        "resolution": args.resolution,
+        "steps": args.steps,
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "torch_threads": threads,
+        "cpu": cpu.report().model_name,
+        "load_average": os.getloadavg(),
+        "seconds_per_image": median,
+        "seconds_per_image_all": seconds,
+        "speedup_vs_pytorch": {name: median["pytorch_fp32"] / value for name, value in median.items()},
+        "psnr_vs_pytorch_db": {
+            name: inference.image_psnr(images["pytorch_fp32"], images[name]) for name in names
+        },
+        "export_seconds": {"fp32": fp32_s, "int8_from_fp32": int8_s},
+        "model_megabytes": megabytes,
+    }
+    out = Path(args.out) if args.out else RESULTS / f"inference-{args.model}-{args.resolution}px.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    """The results as the lines this benchmark prints."""
+    lines = [
+        f"{result['model']} {result['resolution']} px, {result['steps']} steps, batch {result['batch']}, "
+        f"median of {result['repeats']} (torch threads {result['torch_threads']}, load {result['load_average'][0]:.1f})",
+        f"{'variant':<22}{'s/image':>10}{'x PyTorch':>11}{'PSNR dB':>9}",
+    ]
+    for name, value in result["seconds_per_image"].items():
+        speedup, psnr = result["speedup_vs_pytorch"][name], result["psnr_vs_pytorch_db"][name]
+        lines.append(f"{name:<22}{value:>10.4g}{speedup:>10.2f}x{psnr:>9.1f}")
+    exports, sizes = result["export_seconds"], result["model_megabytes"]
+    lines.append(f"export: fp32 {exports['fp32']:.1f} s, int8 (from fp32) {exports['int8_from_fp32']:.1f} s")
+    lines.append(f"size: fp32 {sizes['fp32']:.1f} MB, int8 {sizes['int8']:.1f} MB")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(report(main(parse_args())) + "\n")

@@ -1,0 +1,316 @@
+"""What each speed option buys: the engine's step with and without it, side by side.
+
+    python -m bench.optimisations --model sd15-shape --resolution 256 --steps 3
+    python -m bench.optimisations --model sd15-shape --only allocator,gradient_checkpointing
+
+In-process options are switched on and off on the same modules, interleaved step by step with
+the engine's step without them (everything else as the engine has it, including
+``helpers.cpu.keep_freed_memory``): ``channels_last``, the attention kernel (``attention_math``:
+SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbmm + softmax),
+``flush_denormal``, ``prepacked_convs`` (``bench/prepack.py``) and ``compile`` (``torch.compile``
+of the UNet; compile time reported separately). Process-level options run the real engine,
+``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
+(glibc's defaults, tcmalloc or jemalloc through ``LD_PRELOAD``, ``THP_MEM_ALLOC_ENABLE``),
+``omp_affinity`` (``OMP_PROC_BIND=close OMP_PLACES=cores``) and ``gradient_checkpointing``
+(training peak RSS against time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import common, prepack
+from helpers import cpu
+
+ALLOCATORS = {
+    "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+}
+# jemalloc as Intel's PyTorch guides configure it (keep freed pages instead of returning them).
+JEMALLOC_CONF = (
+    "oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+)
+
+
+class Option:
+    """A speed option switched on and off on live modules; ``engine`` says whether the engine uses it."""
+
+    def __init__(
+        self,
+        name: str,
+        on: Callable[[common.OursStep], None],
+        off: Callable[[common.OursStep], None],
+        engine: bool = False,
+    ):
+        self.name, self.on, self.off, self.engine = name, on, off, engine
+
+
+class _Context:
+    """Turns a context manager factory into on/off calls (entered while on)."""
+
+    def __init__(self, factory: Callable[[], AbstractContextManager]):
+        self.factory, self.stack = factory, ExitStack()
+
+    def on(self, step: common.OursStep) -> None:
+        self.stack.close()
+        self.stack = ExitStack()
+        self.stack.enter_context(self.factory())
+
+    def off(self, step: common.OursStep) -> None:
+        self.stack.close()
+
+
+def _channels_last(on: bool) -> Callable[[common.OursStep], None]:
+    def apply(step: common.OursStep) -> None:
+        step.setup.parts.unet.to(memory_format=torch.channels_last if on else torch.contiguous_format)
+
+    return apply
+
+
+def _attn_processor(kind: str) -> Callable[[common.OursStep], None]:
+    def apply(step: common.OursStep) -> None:
+        from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+        step.setup.parts.unet.set_attn_processor(AttnProcessor() if kind == "classic" else AttnProcessor2_0())
+
+    return apply
+
+
+def _math_sdpa() -> AbstractContextManager:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _flush_denormal(on: bool) -> Callable[[common.OursStep], None]:
+    return lambda step: torch.set_flush_denormal(on)
+
+
+def _prepacked(on: bool, keep: bool = True) -> Callable[[common.OursStep], None]:
+    def apply(step: common.OursStep) -> None:
+        for module in step.setup.parts.unet.modules():
+            if isinstance(module, torch.nn.Conv2d):
+                if on:
+                    prepack.pack_conv(module)
+                else:  # keep the reordered copies while comparing; freed at the end
+                    prepack.unpack_conv(module, free=not keep)
+
+    return apply
+
+
+_math = _Context(_math_sdpa)
+IN_PROCESS = {
+    o.name: o
+    for o in (
+        Option("channels_last", _channels_last(True), _channels_last(False)),
+        Option("attention_math", _math.on, _math.off),
+        Option("attention_classic", _attn_processor("classic"), _attn_processor("sdpa")),
+        Option("flush_denormal", _flush_denormal(True), _flush_denormal(False)),
+        Option("prepacked_convs", _prepacked(True), _prepacked(False)),
+    )
+}
+PROCESS_LEVEL = ("allocator", "omp_affinity", "gradient_checkpointing")
+ALL = (*IN_PROCESS, "compile", *PROCESS_LEVEL)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.optimisations", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny, sd15-shape, or a local diffusers folder")
+    parser.add_argument(
+        "--resolution", type=int, default=None, help="pixels (default 64 tiny, 256 otherwise)"
+    )
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (in-process)")
+    parser.add_argument("--rounds", type=int, default=2, help="child processes per variant (process-level)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}")
+    parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON TrainConfig overrides
+    args = parser.parse_args(argv)
+    if args.resolution is None:
+        args.resolution = 64 if args.model == "tiny" else 256
+    unknown = set(args.only.split(",")) - set(ALL)
+    if unknown:
+        parser.error(f"--only: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(ALL)}")
+    return args
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    threads = cpu.set_threads(args.threads)
+    if args.child is not None:
+        return _child(args, json.loads(args.child))
+    wanted = args.only.split(",")
+    report: dict[str, Any] = {
+        "benchmark": "optimisations",
+        "model": args.model,
+        "resolution": args.resolution,
+        "batch": args.batch,
+        "threads": threads,
+        "machine": common.machine(),
+        "options": {},
+    }
+    in_process = [n for n in wanted if n in IN_PROCESS or n == "compile"]
+    if in_process:
+        with common.scratch_dir() as work:
+            setup = common.make_setup(args.model, args.resolution, args.batch, work)
+            ours = common.OursStep(setup)
+            for option in IN_PROCESS.values():  # start from the engine's configuration
+                (option.on if option.engine else option.off)(ours)
+            try:
+                with ours.active(), cpu.keep_freed_memory():  # as the engine's loop
+                    for name in in_process:
+                        if name == "compile":
+                            result = _compile(ours, args.steps)
+                        else:
+                            result = _ab(ours, IN_PROCESS[name], args.steps)
+                        report["options"][name] = result
+                        print(_line(name, result), flush=True)
+            finally:
+                for option in IN_PROCESS.values():
+                    option.off(ours)
+                _prepacked(False, keep=False)(ours)
+    for name in (n for n in wanted if n in PROCESS_LEVEL):
+        result = _process_level(args, name, threads)
+        report["options"][name] = result
+        print(_line(name, result), flush=True)
+    out = (
+        Path(args.out)
+        if args.out
+        else common.RESULTS / f"optimisations-{args.model}-{args.resolution}px.json"
+    )
+    common.write_json(out, report)
+    print(f"wrote {out}")
+    return report
+
+
+def _line(name: str, r: dict[str, Any]) -> str:
+    text = f"{name:24} " + ", ".join(
+        f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.items() if k != "seconds"
+    )
+    return text
+
+
+def _timed(
+    step: common.OursStep, setting: Callable[[common.OursStep], None] | None
+) -> Callable[[int], dict[str, float]]:
+    def run(i: int) -> dict[str, float]:
+        if setting:
+            setting(step)
+        start = time.perf_counter()
+        step(i)
+        return {"total": time.perf_counter() - start}
+
+    return run
+
+
+def _ab(step: common.OursStep, option: Option, n: int) -> dict[str, Any]:
+    """The step without and with the option, interleaved after one warm-up each (speed-up > 1: it wins).
+
+    Everything else stays as the engine has it; afterwards the option is back to the engine's choice.
+    """
+    try:
+        runs = common.run_interleaved({"off": _timed(step, option.off), "on": _timed(step, option.on)}, n)
+    finally:
+        (option.on if option.engine else option.off)(step)
+    off = common.summarize([r["total"] for r in runs["off"]])
+    on = common.summarize([r["total"] for r in runs["on"]])
+    return {
+        "used_by_engine": option.engine,
+        "off_s": off["median"],
+        "on_s": on["median"],
+        "speedup": off["median"] / on["median"],
+        "seconds": {"off": off, "on": on},
+    }
+
+
+def _compile(step: common.OursStep, n: int) -> dict[str, Any]:
+    """``torch.compile`` of the UNet: first-call time (compile) separately, then steady-state steps."""
+    eager = step.unet
+    compiled = torch.compile(eager)
+    step.unet = compiled
+    start = time.perf_counter()
+    step(0)
+    first = time.perf_counter() - start
+    step.unet = eager
+    swap = Option("compile", lambda s: setattr(s, "unet", compiled), lambda s: setattr(s, "unet", eager))
+    result = _ab(step, swap, n)
+    result["first_step_s"] = first
+    result["compile_s"] = first - result["on_s"]
+    return result
+
+
+# --- process-level options: the real engine in fresh processes ---------------------------------
+
+
+def _process_level(args: argparse.Namespace, name: str, threads: int) -> dict[str, Any]:
+    base_env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    base_env.pop("LD_PRELOAD", None)
+    variants: dict[str, tuple[dict, dict]] = {"baseline": (base_env, {})}
+    if name == "allocator":
+        variants["glibc_default"] = (base_env, {"malloc_tuning": False})
+        for alloc, lib in ALLOCATORS.items():
+            if Path(lib).exists():
+                env = {**base_env, "LD_PRELOAD": lib}
+                if alloc == "jemalloc":
+                    env["MALLOC_CONF"] = JEMALLOC_CONF
+                variants[alloc] = (env, {"malloc_tuning": False})
+        # PyTorch's own switch: 2 MB-aligned big tensors, madvise(MADV_HUGEPAGE) (THP in "madvise" mode)
+        variants["thp"] = ({**base_env, "THP_MEM_ALLOC_ENABLE": "1"}, {})
+    elif name == "omp_affinity":
+        variants["close_cores"] = ({**base_env, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, {})
+    elif name == "gradient_checkpointing":
+        variants["gradient_checkpointing"] = (base_env, {"gradient_checkpointing": True})
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    names = list(variants)
+    for r in range(args.rounds):
+        for v in names if r % 2 == 0 else names[::-1]:
+            env, overrides = variants[v]
+            results[v].append(_run_child(args, env, overrides, threads))
+    out: dict[str, Any] = {}
+    base = common.summarize([x["seconds_per_step"] for x in results["baseline"]])["median"]
+    base_rss = max(x["training_peak_rss_mib"] for x in results["baseline"])
+    for v, runs in results.items():
+        s = common.summarize([x["seconds_per_step"] for x in runs])["median"]
+        rss = max(x["training_peak_rss_mib"] for x in runs)
+        out[f"{v}_s"] = s
+        out[f"{v}_training_rss_mib"] = rss
+        out[f"{v}_process_rss_mib"] = max(x["peak_rss_mib"] for x in runs)
+        if v != "baseline":
+            out[f"{v}_speedup"] = base / s
+            out[f"{v}_rss_ratio"] = rss / base_rss
+    out["seconds"] = results
+    return out
+
+
+def _run_child(args: argparse.Namespace, env: dict, overrides: dict, threads: int) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "bench.optimisations", "--child", json.dumps(overrides)]
+    cmd += ["--model", args.model, "--resolution", str(args.resolution), "--batch", str(args.batch)]
+    cmd += ["--steps", str(args.steps), "--threads", str(threads)]
+    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {overrides} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _child(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, float]:
+    """Run the engine for 1 + ``steps`` steps; print its step time and peak RSS as JSON."""
+    with tempfile.TemporaryDirectory(prefix="bench-child-") as work:
+        out = common.run_engine(args.model, args.resolution, args.batch, 1 + args.steps, work, **overrides)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,223 @@
+"""Time one textual-inversion training step: the engine against the reference approach, side by side.
+
+    python -m bench.train_step --model sd15-shape --resolution 256 --batch 1 --steps 4
+
+In one process, after warm-up, runs ``--steps`` steps of each mode interleaved (A B, B A, ...):
+``ours`` (the engine: only the new rows train, cached latents) and ``reference`` (diffusers'
+example: the whole embedding matrix in AdamW with rows restored, the VAE encoder in every step).
+Prints seconds per step, images per second, the ratio, a per-phase breakdown, and the fraction
+of the FLOP bound (FLOPs counted by ``torch.utils.flop_counter``, divided by this machine's
+fp32 GEMM speed measured in the same run). Peak RSS is measured fairly in two fresh child
+processes, one per mode: ``ours`` runs the real ``helpers.textual_inversion.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from bench import common
+from helpers import cpu
+
+PHASES = (
+    "inputs",
+    "text_encoder_forward",
+    "unet_forward",
+    "loss",
+    "unet_backward",
+    "text_encoder_backward",
+    "optimizer",
+    "communication",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny, sd15-shape, or a local diffusers folder")
+    parser.add_argument(
+        "--resolution", type=int, default=None, help="pixels (default 64 tiny, 256 otherwise)"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="images per step")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS child processes")
+    parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
+    parser.add_argument("--child", choices=("ours", "reference"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.resolution is None:
+        args.resolution = 64 if args.model == "tiny" else 256
+    return args
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; return (and write) the results."""
+    threads = cpu.set_threads(args.threads)
+    if args.child:
+        return _child(args)
+    with common.scratch_dir() as work, ExitStack() as stack:
+        setup = common.make_setup(args.model, args.resolution, args.batch, work)
+        ours, ref = common.OursStep(setup), common.ReferenceStep(setup)
+        stack.enter_context(cpu.keep_freed_memory())  # as the engine's loop does, for both modes
+        modes = {"ours": ours, "reference": ref}
+        timer = common.PhaseTimer(setup.parts.text_encoder, ours.unet)
+
+        def timed(mode):
+            def run(step: int) -> dict[str, float]:
+                with mode.active():
+                    mode(step, timer)
+                return timer.phases()
+
+            return run
+
+        for mode in modes.values():  # warm-up, then count FLOPs on a warm step
+            with mode.active():
+                for w in range(args.warmup):
+                    mode(w)
+        flops = {}
+        for name, mode in modes.items():
+            with mode.active():
+                flops[name] = common.count_flops(lambda m=mode: m(0))
+        gemm = [common.gemm_gflops()]
+        results = common.run_interleaved(
+            {name: timed(mode) for name, mode in modes.items()},
+            args.steps,
+            warmup=0,
+            between=lambda: gemm.append(common.gemm_gflops()),
+        )
+        timer.remove()
+    memory = {} if args.no_memory else {name: _run_child(args, name, threads) for name in modes}
+    report = _report(args, threads, flops, max(gemm), results, memory)
+    out = Path(args.out) if args.out else common.RESULTS / f"train_step-{args.model}-{args.resolution}px.json"
+    common.write_json(out, report)
+    print(format_report(report))
+    print(f"wrote {out}")
+    return report
+
+
+def _report(args, threads, flops, gemm_peak, results, memory) -> dict[str, Any]:
+    modes: dict[str, Any] = {}
+    for name, steps in results.items():
+        seconds = common.summarize([s["total"] for s in steps])
+        modes[name] = {
+            "seconds_per_step": seconds,
+            "images_per_second": args.batch / seconds["median"],
+            "breakdown": {p: common.summarize([s[p] for s in steps])["median"] for p in PHASES},
+            "flops_per_step": flops[name],
+            **memory.get(name, {}),
+        }
+    ours, ref = modes["ours"], modes["reference"]
+    bound = flops["ours"] / (gemm_peak * 1e9)
+    report = {
+        "benchmark": "train_step",
+        "model": args.model,
+        "resolution": args.resolution,
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": threads,
+        "machine": common.machine(),
+        "gemm_peak_gflops": gemm_peak,
+        "flop_bound_seconds": bound,
+        "modes": modes,
+        "speedup": ref["seconds_per_step"]["median"] / ours["seconds_per_step"]["median"],
+        "fraction_of_flop_bound": bound / ours["seconds_per_step"]["median"],
+        "reference_fraction_of_flop_bound": bound / ref["seconds_per_step"]["median"],
+    }
+    if memory:
+        report["rss_ratio"] = ours["peak_rss_mib"] / ref["peak_rss_mib"]
+        report["training_rss_ratio"] = ours["training_peak_rss_mib"] / ref["training_peak_rss_mib"]
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """A plain-text table of a result."""
+    ours, ref = r["modes"]["ours"], r["modes"]["reference"]
+    lines = [
+        f"{r['model']} {r['resolution']} px, batch {r['batch']}, {r['threads']} threads, "
+        f"{r['steps']} steps/mode after {r['warmup']} warm-up (load {r['machine']['load_average'][0]:.2f})",
+        f"{'':28}{'ours':>12}{'reference':>12}",
+    ]
+
+    def row(label: str, a: float, b: float, fmt: str = "{:12.3f}") -> None:
+        lines.append(f"{label:28}" + fmt.format(a) + fmt.format(b))
+
+    row("s/step (median)", ours["seconds_per_step"]["median"], ref["seconds_per_step"]["median"])
+    row("s/step (min)", ours["seconds_per_step"]["min"], ref["seconds_per_step"]["min"])
+    row("images/s", ours["images_per_second"], ref["images_per_second"])
+    if "peak_rss_mib" in ours:
+        row("peak RSS, process (MiB)", ours["peak_rss_mib"], ref["peak_rss_mib"], "{:12.0f}")
+        row(
+            "peak RSS, training (MiB)",
+            ours["training_peak_rss_mib"],
+            ref["training_peak_rss_mib"],
+            "{:12.0f}",
+        )
+    row("GFLOP/step", ours["flops_per_step"] / 1e9, ref["flops_per_step"] / 1e9, "{:12.1f}")
+    for phase in PHASES:
+        row(f"  {phase}", ours["breakdown"][phase], ref["breakdown"][phase])
+    lines.append(f"speed-up (reference / ours): {r['speedup']:.2f}x")
+    lines.append(
+        f"FLOP bound {r['flop_bound_seconds']:.3f} s/step at {r['gemm_peak_gflops']:.0f} GFLOP/s GEMM peak: "
+        f"ours at {100 * r['fraction_of_flop_bound']:.0f} %, reference at "
+        f"{100 * r['reference_fraction_of_flop_bound']:.0f} %"
+    )
+    if "rss_ratio" in r:
+        lines.append(
+            f"peak RSS ours / reference: {r['rss_ratio']:.2f} (process), {r['training_rss_ratio']:.2f} (training)"
+        )
+    return "\n".join(lines)
+
+
+# --- peak memory, one fresh process per mode --------------------------------------------------
+
+
+def _run_child(args: argparse.Namespace, mode: str, threads: int) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "bench.train_step", "--child", mode, "--model", args.model]
+    cmd += ["--resolution", str(args.resolution), "--batch", str(args.batch), "--threads", str(threads)]
+    cmd += ["--steps", str(min(args.steps, 2)), "--warmup", str(args.warmup)]
+    proc = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory child {mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _child(args: argparse.Namespace) -> dict[str, float]:
+    """Peak RSS of one mode in a fresh process: ours is the real engine, ``train(config)``.
+
+    Reports the whole-process peak and the training peak: the peak-RSS mark is reset once the
+    weights are loaded (for ours just before the latents are cached, which is part of training).
+    """
+    steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="bench-child-") as work:
+        if args.child == "ours":
+            out = common.run_engine(args.model, args.resolution, args.batch, steps, work)
+        else:
+            setup = common.make_setup(args.model, args.resolution, args.batch, work)
+            ref = common.ReferenceStep(setup)
+            timer = common.PhaseTimer(setup.parts.text_encoder, ref.unet)
+            totals = []
+            common.reset_peak_rss()
+            with ref.active(), cpu.keep_freed_memory():  # the same allocator setting as the engine
+                for step in range(steps):
+                    ref(step, timer)
+                    totals.append(timer.phases()["total"])
+            out = {
+                "seconds_per_step": common.summarize(totals[args.warmup :] or totals)["median"],
+                "peak_rss_mib": common.peak_rss_mib(),
+                "training_peak_rss_mib": common.peak_rss_since_reset_mib(),
+            }
+    out["child_seconds_per_step"] = out.pop("seconds_per_step")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main(parse_args())

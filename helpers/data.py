@@ -1,0 +1,464 @@
+"""Concept images for textual inversion: bundled sample, Hub download, validation, dataset.
+
+The dataset follows the diffusers example ``examples/textual_inversion/textual_inversion.py``
+(same prompt templates, ``repeats``, optional centre crop, bicubic resize, random horizontal
+flip, pixels in [-1, 1]) with two changes the training engine relies on: every random choice
+of item ``i`` comes from its own generator seeded by ``(seed, i)``, so items are identical
+whatever the worker layout; and an item names a *view* (image x flip) instead of carrying
+pixels, so the engine can encode each view with the VAE once and cache the latent.
+
+Command line::
+
+    python -m helpers.data render-sample DEST      # regenerate the bundled sample images
+    python -m helpers.data download [--repo_id ID] [--dest DIR]
+    python -m helpers.data validate PATH [--min_size N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from helpers.sample_art import render_sample_concept
+
+__all__ = [
+    "DEFAULT_CONCEPT_REPO",
+    "IMAGE_EXTENSIONS",
+    "ConceptDataset",
+    "ImageFolderError",
+    "download_concept",
+    "imagenet_style_templates_small",
+    "imagenet_templates_small",
+    "render_sample_concept",
+    "sample_concept_dir",
+    "validate_image_folder",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONCEPT_REPO = "sd-concepts-library/dicoo"
+# sd-concepts-library repos keep the training pictures in concept_images/ beside
+# learned_embeds.bin, token_identifier.txt and type_of_concept.txt.
+CONCEPT_IMAGES_SUBDIR = "concept_images"
+IMAGE_EXTENSIONS = frozenset(
+    {".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+)
+# Files people keep next to their pictures that are not training data; everything else that is
+# not an image is reported, because a stray file usually means the wrong folder was given.
+_METADATA_STEMS = ("readme", "license", "licence", "notice", "attribution", "credits")
+_METADATA_NAMES = frozenset({"thumbs.db", "desktop.ini"})
+
+# The prompt templates of the diffusers textual-inversion example, in the same order and with
+# the same duplicates (they weight the random choice).
+imagenet_templates_small = [
+    "a photo of a {}",
+    "a rendering of a {}",
+    "a cropped photo of the {}",
+    "the photo of a {}",
+    "a photo of a clean {}",
+    "a photo of a dirty {}",
+    "a dark photo of the {}",
+    "a photo of my {}",
+    "a photo of the cool {}",
+    "a close-up photo of a {}",
+    "a bright photo of the {}",
+    "a cropped photo of a {}",
+    "a photo of the {}",
+    "a good photo of the {}",
+    "a photo of one {}",
+    "a close-up photo of the {}",
+    "a rendition of the {}",
+    "a photo of the clean {}",
+    "a rendition of a {}",
+    "a photo of a nice {}",
+    "a good photo of a {}",
+    "a photo of the nice {}",
+    "a photo of the small {}",
+    "a photo of the weird {}",
+    "a photo of the large {}",
+    "a photo of a cool {}",
+    "a photo of a small {}",
+]
+
+imagenet_style_templates_small = [
+    "a painting in the style of {}",
+    "a rendering in the style of {}",
+    "a cropped painting in the style of {}",
+    "the painting in the style of {}",
+    "a clean painting in the style of {}",
+    "a dirty painting in the style of {}",
+    "a dark painting in the style of {}",
+    "a picture in the style of {}",
+    "a cool painting in the style of {}",
+    "a close-up painting in the style of {}",
+    "a bright painting in the style of {}",
+    "a cropped painting in the style of {}",
+    "a good painting in the style of {}",
+    "a close-up painting in the style of {}",
+    "a rendition in the style of {}",
+    "a nice painting in the style of {}",
+    "a small painting in the style of {}",
+    "a weird painting in the style of {}",
+    "a large painting in the style of {}",
+]
+
+_TEMPLATES = {"object": imagenet_templates_small, "style": imagenet_style_templates_small}
+
+
+class ImageFolderError(ValueError):
+    """A concept-image folder cannot be used; the message lists every problem and the fix.
+
+    Attributes:
+        path: the folder that was checked.
+        problems: ``(file or folder, problem)`` pairs, one per problem found.
+    """
+
+    def __init__(self, path: Path, problems: list[tuple[Path, str]], fix: str):
+        self.path = path
+        self.problems = problems
+        lines = [f"Image folder {os.path.abspath(path)!r} cannot be used for training:"]
+        lines += [f"  - {p.name if p != path else str(p)}: {why}" for p, why in problems]
+        lines.append(f"Fix: {fix}")
+        super().__init__("\n".join(lines))
+
+
+def sample_concept_dir() -> Path:
+    """The folder of the bundled sample concept: five pictures of a made-up toy robot-duck.
+
+    Returns:
+        ``helpers/assets/sample_concept`` inside the installed package.
+    """
+    return Path(__file__).resolve().parent / "assets" / "sample_concept"
+
+
+SAMPLE = "sample"
+
+
+def resolve_concept(concept: str | os.PathLike, min_size: int = 0) -> Path:
+    """Turn ``"sample"``, a local folder or a Hub concept repo id into a validated image folder.
+
+    Args:
+        concept: ``"sample"`` (the bundled toy), a folder of images, or a Hub repo id such as
+            ``sd-concepts-library/dicoo`` (downloaded into ``concepts/``).
+        min_size: smallest allowed shorter image side (the training resolution).
+
+    Returns:
+        The folder of images.
+    """
+    name = os.fspath(concept)
+    if name == SAMPLE:
+        folder = sample_concept_dir()
+    elif Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+        folder = Path(name).expanduser()
+    else:
+        folder = download_concept(name)
+    validate_image_folder(folder, min_size=min_size)
+    return folder
+
+
+def _is_ignored(path: Path) -> bool:
+    """Hidden files (``.DS_Store``, ``.gitattributes``, the Hub's ``.cache``) and known
+    metadata files (README.md, LICENSE, ...) are skipped; an image is never skipped."""
+    name = path.name.lower()
+    if name.startswith(".") or name in _METADATA_NAMES:
+        return True
+    return name.split(".")[0] in _METADATA_STEMS and path.suffix.lower() not in IMAGE_EXTENSIONS
+
+
+def validate_image_folder(path: str | os.PathLike, min_size: int = 0) -> list[Path]:
+    """Check a folder of training images and return them; never writes anything.
+
+    Every image is fully decoded, so corrupt and truncated files are found here rather than in
+    the middle of training. Ignored: hidden files (``.DS_Store``, ``.gitattributes``), metadata
+    files named README, LICENSE, NOTICE, ATTRIBUTION or CREDITS (any non-image extension,
+    e.g. ``README.md``) and subfolders. Any other file that is not an image is reported.
+
+    Args:
+        path: the folder holding the concept images (not searched recursively).
+        min_size: smallest allowed shorter side in pixels (use the training resolution);
+            0 accepts any size.
+
+    Returns:
+        The image files, sorted by name.
+
+    Raises:
+        ImageFolderError: one error listing every problem found, and how to fix it.
+    """
+    folder = Path(path)
+    if not folder.exists():
+        raise ImageFolderError(
+            folder,
+            [(folder, "does not exist")],
+            "pass the folder that holds the concept images, e.g. helpers.data.sample_concept_dir() "
+            "or the folder returned by helpers.data.download_concept().",
+        )
+    if not folder.is_dir():
+        raise ImageFolderError(
+            folder,
+            [(folder, "is a file, not a folder")],
+            "pass the folder that contains this image, not the image.",
+        )
+    entries = sorted(folder.iterdir())
+    subfolders = [p for p in entries if p.is_dir() and not _is_ignored(p)]
+    candidates = [p for p in entries if p.is_file() and not _is_ignored(p)]
+    images: list[Path] = []
+    problems: list[tuple[Path, str]] = []
+    for file in candidates:
+        if file.suffix.lower() not in IMAGE_EXTENSIONS:
+            problems.append((file, f"not an image file (extension {file.suffix or 'none'!r})"))
+            continue
+        try:
+            # verify() checks structure without decoding pixels and leaves the file unusable,
+            # so reopen and load() to catch truncated pixel data too.
+            with Image.open(file) as img:
+                img.verify()
+            with Image.open(file) as img:
+                img.load()
+                width, height = img.size
+        except Exception as err:  # any decoder failure means the file cannot be trained on
+            problems.append((file, f"corrupt or truncated image ({type(err).__name__}: {err})"))
+            continue
+        if min(width, height) < min_size:
+            problems.append(
+                (file, f"too small: {width}x{height}, shorter side must be at least {min_size} px")
+            )
+            continue
+        images.append(file)
+    if problems:
+        size_rule = f", at least {min_size} px on the shorter side, or train at a lower resolution"
+        raise ImageFolderError(
+            folder,
+            problems,
+            "remove or replace the files listed above (keep only PNG/JPEG/WebP/BMP/GIF/TIFF pictures of "
+            f"the concept{size_rule if min_size else ''}).",
+        )
+    if not images:
+        names = ", ".join(p.name for p in subfolders)
+        hint = f" It has subfolders ({names}): point to the one holding the images." if subfolders else ""
+        raise ImageFolderError(
+            folder,
+            [(folder, "contains no images")],
+            "put 3-5 pictures of the concept in it, or use helpers.data.sample_concept_dir()." + hint,
+        )
+    return images
+
+
+def download_concept(
+    repo_id: str = DEFAULT_CONCEPT_REPO,
+    dest: str | os.PathLike | None = None,
+    revision: str | None = None,
+    force: bool = False,
+) -> Path:
+    """Download the training images of a concept from the Hugging Face Hub.
+
+    Only ``concept_images/*`` is fetched (the layout of the sd-concepts-library repos), not the
+    learned embedding. Images already present in ``dest`` are reused without contacting the
+    Hub, so a workshop can download once and then run offline.
+
+    Args:
+        repo_id: a Hub model repo with a ``concept_images/`` folder, e.g. ``sd-concepts-library/dicoo``.
+        dest: local folder for the download; default ``concepts/<repo name>`` in the working directory.
+        revision: branch, tag or commit of the repo; default its main branch.
+        force: download again even if images are already present.
+
+    Returns:
+        The folder of images (``dest/concept_images``), validated.
+
+    Raises:
+        helpers.models.HubUnavailableError: the Hub cannot be reached (fails within seconds).
+        ImageFolderError: the repo has no usable images under ``concept_images/``.
+    """
+    from helpers.models import ensure_hub_reachable
+
+    dest = Path(dest) if dest is not None else Path("concepts") / repo_id.split("/")[-1]
+    images_dir = dest / CONCEPT_IMAGES_SUBDIR
+    if (
+        not force
+        and images_dir.is_dir()
+        and any(p.suffix.lower() in IMAGE_EXTENSIONS for p in images_dir.iterdir())
+    ):
+        logger.info("using the concept images already in %s", images_dir)
+        validate_image_folder(images_dir)
+        return images_dir
+    # Without this check, huggingface_hub retries for a long time on a machine with no route.
+    ensure_hub_reachable(
+        what=f"downloading the concept images of {repo_id!r}",
+        fix="train on the bundled sample instead: train_data_dir=helpers.data.sample_concept_dir()",
+    )
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(
+        repo_id,
+        repo_type="model",
+        revision=revision,
+        local_dir=dest,
+        allow_patterns=[f"{CONCEPT_IMAGES_SUBDIR}/*"],
+        force_download=force,
+    )
+    images = validate_image_folder(images_dir)
+    logger.info("downloaded %d concept images of %s into %s", len(images), repo_id, images_dir)
+    return images_dir
+
+
+class ConceptDataset(torch.utils.data.Dataset):
+    """The textual-inversion training set: (view of a concept image, prompt with the placeholder).
+
+    Item ``i`` uses image ``i % len(images)``; its template and flip are drawn from a
+    ``random.Random`` seeded by ``(seed, i)``. Pixels are not in the item: the item names a
+    view (image, flipped or not), whose pixels :meth:`view_pixels` returns (decoded once, cached).
+
+    Args:
+        data_root: folder of concept images (checked with :func:`validate_image_folder`).
+        tokenizer: a CLIP tokenizer that already knows the placeholder token(s).
+        placeholder_text: what stands for the concept in prompts; several tokens for
+            multi-vector concepts, e.g. ``"<dicoo> <dicoo>_1"``.
+        learnable_property: ``"object"`` or ``"style"`` (chooses the prompt templates).
+        size: side of the square training images in pixels.
+        repeats: how many times each image appears per epoch.
+        center_crop: crop to the centred square of the shorter side before resizing.
+        flip_p: probability of a horizontal flip.
+        seed: seed of the per-item template and flip choices.
+    """
+
+    def __init__(
+        self,
+        data_root: str | os.PathLike,
+        tokenizer,
+        placeholder_text: str,
+        learnable_property: str = "object",
+        size: int = 512,
+        repeats: int = 100,
+        center_crop: bool = False,
+        flip_p: float = 0.5,
+        seed: int = 0,
+    ):
+        if learnable_property not in _TEMPLATES:
+            raise ValueError(
+                f"learnable_property={learnable_property!r} is not supported: use 'object' or 'style'."
+            )
+        if size < 1 or repeats < 1:
+            raise ValueError(f"size ({size}) and repeats ({repeats}) must be at least 1.")
+        if not 0.0 <= flip_p <= 1.0:
+            raise ValueError(f"flip_p={flip_p} is not a probability: use a value between 0 and 1.")
+        if not placeholder_text.strip():
+            raise ValueError("placeholder_text is empty: pass the placeholder token(s), e.g. '<dicoo>'.")
+        self.images = validate_image_folder(data_root, min_size=0)  # before any tokenizer or pixel work
+        self.data_root = Path(data_root)
+        self.tokenizer = tokenizer
+        self.placeholder_text = placeholder_text
+        self.learnable_property = learnable_property
+        self.templates = _TEMPLATES[learnable_property]
+        self.size = size
+        self.repeats = repeats
+        self.center_crop = center_crop
+        self.flip_p = flip_p
+        self.seed = seed
+        self._n_flip = 2 if flip_p > 0 else 1
+        self._views: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_views(self) -> int:
+        """Number of distinct pixel variants: each image, and its mirror image if flips happen."""
+        return len(self.images) * self._n_flip
+
+    def __len__(self) -> int:
+        return len(self.images) * self.repeats
+
+    def _rng(self, i: int) -> random.Random:
+        # A string seed is hashed with SHA-512 by random.seed: stable across processes and
+        # Python runs, unlike hash() of a tuple.
+        return random.Random(f"ConceptDataset:{self.seed}:{i}")
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"item {i} out of range for a dataset of {len(self)} items")
+        i %= len(self)
+        rng = self._rng(i)
+        prompt = rng.choice(self.templates).format(self.placeholder_text)
+        flipped = rng.random() < self.flip_p  # same rule as torchvision's RandomHorizontalFlip
+        input_ids = self.tokenizer(
+            prompt,
+            padding="max_length",
+            truncation=True,
+            max_length=self.tokenizer.model_max_length,
+            return_tensors="pt",
+        ).input_ids[0]
+        view_index = (i % len(self.images)) * self._n_flip + int(flipped)
+        return {"view_index": view_index, "input_ids": input_ids, "prompt": prompt}
+
+    def view_pixels(self, view_index: int) -> torch.FloatTensor:
+        """Pixels of one view, as the UNet's VAE expects them.
+
+        Args:
+            view_index: ``image_index * n_flip + flipped``, where ``n_flip`` is 2 if flips happen.
+
+        Returns:
+            A float32 tensor ``[3, size, size]`` with values in [-1, 1]. It is the cached
+            tensor itself: do not modify it in place.
+        """
+        if not 0 <= view_index < self.num_views:
+            raise IndexError(f"view {view_index} out of range: this dataset has {self.num_views} views")
+        if view_index not in self._views:
+            image_index, flipped = divmod(view_index, self._n_flip)
+            self._views[view_index] = self._load_view(self.images[image_index], bool(flipped))
+        return self._views[view_index]
+
+    def _load_view(self, path: Path, flipped: bool) -> torch.Tensor:
+        with Image.open(path) as img:
+            # Phone photos store their rotation in EXIF; without this the concept trains sideways.
+            image = ImageOps.exif_transpose(img).convert("RGB")
+        if self.center_crop:
+            w, h = image.size
+            crop = min(w, h)
+            left, top = (w - crop) // 2, (h - crop) // 2
+            image = image.crop((left, top, left + crop, top + crop))
+        image = image.resize((self.size, self.size), resample=Image.Resampling.BICUBIC)
+        if flipped:  # after the resize, as diffusers does, so a flipped view mirrors its twin exactly
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        pixels = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+        return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the ``python -m helpers.data`` command line."""
+    parser = argparse.ArgumentParser(prog="python -m helpers.data", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    render = sub.add_parser("render-sample", help="draw the bundled sample concept images into DEST")
+    render.add_argument("dest", type=Path)
+    download = sub.add_parser("download", help="download the images of a concept from the Hub")
+    download.add_argument("--repo_id", default=DEFAULT_CONCEPT_REPO)
+    download.add_argument("--dest", type=Path, default=None)
+    download.add_argument("--revision", default=None)
+    validate = sub.add_parser("validate", help="check a folder of concept images")
+    validate.add_argument("path", type=Path)
+    validate.add_argument("--min_size", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> list[Path] | Path:
+    """Run one ``python -m helpers.data`` command; returns the files or folder it produced or checked."""
+    if args.command == "render-sample":
+        return render_sample_concept(args.dest)
+    if args.command == "download":
+        return download_concept(args.repo_id, args.dest, revision=args.revision)
+    return validate_image_folder(args.path, min_size=args.min_size)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from helpers.models import HubUnavailableError
+
+    try:
+        result = main(parse_args())
+    except (ImageFolderError, HubUnavailableError) as err:  # a message for a person, not a traceback
+        raise SystemExit(f"error: {err}") from None
+    for item in result if isinstance(result, list) else [result]:
+        logger.info("%s", item)

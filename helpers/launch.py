@@ -1,0 +1,433 @@
+"""``python -m helpers.launch``: run the training on several processes or machines, and supervise it.
+
+::
+
+    python -m helpers.launch --launcher mpirun --nproc_per_node 2 [--hostfile hosts] \\
+        [--main_process_ip IP] [--main_process_port P] [--dry_run] -- <helpers.train flags>
+
+builds the commands with :mod:`helpers.distributed` (mpirun: one command on the head node;
+torchrun: one per node, the others started over ssh), streams rank 0's output, and returns the
+job's exit code. If a rank dies, the launchers stop the others; if they do not within
+``grace_seconds``, this kills the job. Either way the message names the rank that failed first
+and its error, e.g. ``rank 1 failed: RuntimeError: ...``.
+
+Not testable here: ssh to real machines (tests stand in a script for ssh and run every "node"
+on localhost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from helpers import distributed
+from helpers.distributed import ClusterLayout, LaunchCommand
+
+logger = logging.getLogger(__name__)
+
+# The first tag on a line names its rank; launchers also split lines and tag the pieces.
+_TAGS = {
+    "hydra": r"\[({rank})\] ",  # -l / -prepend-rank: "[1] text"
+    "openmpi": r"\[\d+,({rank})\]<std(?:out|err)>: ?",  # --tag-output: "[1,1]<stderr>:text"
+    "torchrun": r"\[default({rank})\]:",  # --tee 3: "[default1]:text"
+}
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")  # torch prefixes its own tracebacks
+_EXCEPTION = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Failure)\b(?::.*)?$|^error: .+"
+)
+_WRAPPERS = (
+    "CalledProcessError",
+    "ChildFailedError",
+)  # accelerate launch / torchrun re-raising a child's failure
+# Errors a rank gets because another rank went away (gloo says "check the logs of the remote worker").
+_SECONDARY = re.compile(r"remote worker|by peer|Broken pipe|SIGTERM|Socket Timeout|/gloo/", re.IGNORECASE)
+_LAUNCHER_REPORTS = (  # (rank, reason) in the launchers' own failure summaries
+    re.compile(
+        r"RANK (?P<rank>\d+) PID \d+ RUNNING AT \S+\s*=*\s*(?P<reason>KILLED BY SIGNAL: \d+.*|EXIT CODE: \d+)"
+    ),
+    re.compile(r"Process name: \[\[\d+,\d+\],(?P<rank>\d+)\]\s+(?P<reason>Exit code:\s+\d+|Signal:.*)"),
+    re.compile(r"Root Cause.*?rank\s+: (?P<rank>\d+).*?exitcode\s+: (?P<reason>-?\d+[^\n]*)", re.DOTALL),
+)
+
+
+@dataclass
+class JobResult:
+    """How a job ended: exit code, duration, and who failed first with which error."""
+
+    returncode: int
+    seconds: float
+    failed_rank: int | None = None
+    error: str = ""
+    killed: bool = False
+    tails: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def message(self) -> str:
+        """One paragraph for a person: which rank failed, its error, its last lines."""
+        if self.ok:
+            return f"job finished in {self.seconds:.1f} s"
+        who = f"rank {self.failed_rank}" if self.failed_rank is not None else "the job"
+        text = f"{who} failed (exit code {self.returncode}, after {self.seconds:.1f} s): {self.error or 'no error text'}"
+        if self.killed:
+            text += "\nthe other ranks did not stop on their own; helpers.launch stopped them"
+        tail = self.tails.get(self.failed_rank, [])[-12:] if self.failed_rank is not None else []
+        if tail:
+            text += f"\nlast lines of rank {self.failed_rank}:\n  " + "\n  ".join(tail)
+        return text
+
+    def raise_for_failure(self) -> None:
+        """Raise :class:`JobFailed` with :meth:`message` unless the job succeeded."""
+        if not self.ok:
+            raise JobFailed(self.message())
+
+
+class JobFailed(RuntimeError):
+    """A distributed job failed; the message names the rank and its error."""
+
+
+def _shorten(error: str) -> str:
+    """``CalledProcessError: Command '[...]' died with <Signals.SIGKILL: 9>.`` -> the gist."""
+    m = re.search(r"died with <Signals\.(\w+): \d+>|returned non-zero exit status (-?\d+)", error)
+    if not m or not any(w in error for w in _WRAPPERS):
+        return error
+    return (
+        f"the training process was killed by {m[1]}"
+        if m[1]
+        else f"the training process exited with code {m[2]}"
+    )
+
+
+def diagnose(
+    errors: dict[int, list[str]], first_seen: dict[int, float], launcher_text: str
+) -> tuple[int | None, str]:
+    """Pick the rank that failed first and its root error.
+
+    A rank's root error is its first exception line that is not a launcher re-raising it; ranks
+    whose error says a peer went away failed because of another rank, so they come last.
+    Without any exception line, the launcher's own summary (Hydra, Open MPI, torchrun) decides.
+    """
+    candidates = []
+    for rank, lines in errors.items():
+        own = [ln for ln in lines if not any(w in ln for w in _WRAPPERS)]
+        error = (own or lines)[0]
+        candidates.append(
+            (bool(_SECONDARY.search(error)), first_seen.get(rank, math.inf), rank, _shorten(error))
+        )
+    best = min(candidates) if candidates else None
+    if best and not best[0]:
+        return best[2], best[3]
+    for pattern in _LAUNCHER_REPORTS:  # a rank killed outright prints nothing: its launcher knows
+        m = pattern.search(launcher_text)
+        if m:
+            return int(m["rank"]), f"the launcher reports {m['reason'].strip()}"
+    return (best[2], best[3]) if best else (None, "")
+
+
+class _Output:
+    """Sorts a job's output lines by rank, streams rank 0's, and remembers every rank's errors."""
+
+    def __init__(self, stream: TextIO, log: TextIO | None):
+        self.stream, self.log = stream, log
+        self.tails: dict[int, deque[str]] = {}
+        self.errors: dict[int, list[str]] = {}
+        self.first_traceback: dict[int, float] = {}
+        self.launcher_lines: deque[str] = deque(maxlen=400)
+        self.failure_seen_at: float | None = None
+        self.redrawing: dict[int, int] = {}  # command -> local rank whose last piece ended in "\r"
+
+    def feed(self, index: int, cmd: LaunchCommand, text: str, end: str) -> None:
+        """Take one piece of a command's output (``end`` is ``\\n`` or ``\\r``)."""
+        tag = re.compile(_TAGS[cmd.output_tags].format(rank=r"\d+"))
+        # Launchers tag lines, not progress-bar redraws: an untagged piece after a "\r" continues that rank.
+        current = self.redrawing.pop(index, None)
+        pieces: list[tuple[int | None, str]] = []
+        pos = 0
+        # A rank's text written in several pieces may carry more tags mid-line, its own or other ranks'.
+        for m in tag.finditer(text):
+            pieces.append((current, text[pos : m.start()]))
+            current, pos = int(m[1]), m.end()
+        pieces.append((current, text[pos:]))
+        merged: list[tuple[int | None, str]] = []
+        for rank, piece in pieces:
+            if merged and merged[-1][0] == rank:
+                merged[-1] = (rank, merged[-1][1] + piece)
+            elif piece or rank is not None:
+                merged.append((rank, piece))
+        for k, (local, body) in enumerate(merged):
+            last = k == len(merged) - 1
+            if last and local is not None and end == "\r":
+                self.redrawing[index] = local
+            self._line(None if local is None else local + cmd.rank_offset, body, end if last else "\n")
+
+    def _line(self, rank: int | None, body: str, end: str) -> None:
+        if self.log:
+            self.log.write(body + end if rank is None else f"[{rank}] {body}{end}")
+        if rank is None:
+            self.launcher_lines.append(body)
+            self.stream.write(body + end)
+            return
+        if rank == 0:
+            self.stream.write(body + end)
+        if end != "\r":  # progress-bar redraws are not worth keeping
+            self.tails.setdefault(rank, deque(maxlen=40)).append(body)
+        clean = _TORCH_RANK_PREFIX.sub("", body).strip()
+        if clean.startswith("Traceback (most recent call last)"):
+            self.first_traceback.setdefault(rank, time.monotonic())
+        elif _EXCEPTION.match(clean):
+            self.errors.setdefault(rank, []).append(clean)
+            if rank in self.first_traceback or clean.startswith("error: "):
+                self.failure_seen_at = self.failure_seen_at or time.monotonic()
+
+
+def _pump(index: int, pipe, out: queue.Queue) -> None:
+    """Read a process's output in chunks and queue its lines, each with its end (``\\n`` or ``\\r``)."""
+    pending = ""
+    fd = pipe.fileno()
+    while chunk := os.read(fd, 65536):
+        pending += chunk.decode("utf-8", errors="replace").replace("\r\n", "\n")
+        *lines, pending = re.split(r"(?<=[\r\n])", pending)
+        for line in lines:
+            out.put((index, line[:-1], line[-1]))
+    if pending:
+        out.put((index, pending, "\n"))
+    out.put((index, None, ""))
+
+
+def _process(cmd: LaunchCommand, ssh: Sequence[str], cwd: str) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that start ``cmd``: here, or on its host over ssh."""
+    env = dict(os.environ, **cmd.env)
+    if os.path.isabs(cmd.argv[0]):  # Intel MPI's mpirun finds mpiexec.hydra on PATH
+        env["PATH"] = os.pathsep.join([str(Path(cmd.argv[0]).parent), env.get("PATH", "")])
+    if cmd.host is None or distributed.is_local_host(cmd.host):
+        return list(cmd.argv), env
+    # -tt: closing the connection hangs up the remote launcher, so stopping the job stops it there too
+    remote = f"cd {shlex.quote(cwd)} && {cmd.shell()}"
+    return [*ssh, "-tt", "-o", "BatchMode=yes", cmd.host, remote], env
+
+
+def _stop(procs: Sequence[subprocess.Popen], wait: float = 5.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + wait
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def run_job(
+    commands: Sequence[LaunchCommand],
+    *,
+    stream: TextIO | None = None,
+    grace_seconds: float = 30.0,
+    timeout: float | None = None,
+    ssh: Sequence[str] = ("ssh",),
+    cwd: str | os.PathLike | None = None,
+    log_path: str | os.PathLike | None = None,
+) -> JobResult:
+    """Start the commands, stream rank 0's output, and wait for the job to end.
+
+    Args:
+        commands: from :func:`helpers.distributed.launch_commands`.
+        stream: where rank 0's lines and the launchers' own lines go (default stdout).
+        grace_seconds: after a rank fails (or one command exits non-zero), how long the launchers
+            get to stop the others before this kills the job.
+        timeout: kill the job after this many seconds in all (None: no limit).
+        ssh: the ssh command for commands that run on another host.
+        cwd: working folder of the job (on every host).
+        log_path: also write every rank's lines, tagged ``[rank]``, to this file.
+
+    Returns:
+        The :class:`JobResult`; call ``raise_for_failure()`` to turn a failure into an exception.
+    """
+    cwd = os.path.abspath(cwd or os.getcwd())
+    log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed below
+    out = _Output(stream or sys.stdout, log)
+    lines: queue.Queue = queue.Queue()
+    start, procs = time.monotonic(), []
+    try:
+        for i, cmd in enumerate(commands):
+            argv, env = _process(cmd, ssh, cwd)
+            logger.info("starting %s", shlex.join(argv))
+            p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+            procs.append(p)
+            threading.Thread(target=_pump, args=(i, p.stdout, lines), daemon=True).start()
+        open_pipes, killed, ended_at = len(procs), False, None
+        while open_pipes:
+            try:
+                i, text, end = lines.get(timeout=0.2)
+                if text is None:
+                    open_pipes -= 1
+                else:
+                    out.feed(i, commands[i], text, end)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if out.failure_seen_at is None and any(p.poll() for p in procs):
+                out.failure_seen_at = now  # a command exited non-zero
+            overdue = out.failure_seen_at is not None and now - out.failure_seen_at > grace_seconds
+            if not killed and (overdue or (timeout and now - start > timeout)):
+                logger.warning(
+                    "stopping the job: %s", "a rank failed" if overdue else f"timeout of {timeout} s"
+                )
+                _stop(procs)
+                killed = True
+            if all(p.poll() is not None for p in procs):
+                ended_at = ended_at or now
+                if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
+                    break
+    except BaseException:
+        _stop(procs)  # KeyboardInterrupt in a notebook must not leave ranks running
+        raise
+    finally:
+        if log:
+            log.close()
+    for p in procs:
+        p.wait()
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    if killed and code == 0:
+        code = 1
+    result = JobResult(
+        code, time.monotonic() - start, killed=killed, tails={r: list(t) for r, t in out.tails.items()}
+    )
+    if code:
+        result.failed_rank, result.error = diagnose(
+            out.errors, out.first_traceback, "\n".join(out.launcher_lines)
+        )
+    return result
+
+
+def prepare_job(
+    layout: ClusterLayout,
+    train_args: Sequence[str],
+    launcher: str = "mpirun",
+    *,
+    work_dir: str | os.PathLike = "launch",
+    mpirun: str | None = None,
+    backend: str | None = None,
+) -> list[LaunchCommand]:
+    """Check the training flags, write the hostfile and accelerate configs, and build the commands.
+
+    Args:
+        layout: the cluster.
+        train_args: ``helpers.train`` flags; parsed here so a bad flag fails before any process starts.
+        launcher: ``"mpirun"`` or ``"torchrun"``.
+        work_dir: folder for ``hostfile`` and ``accelerate_config_node*.yaml`` (must be visible at the
+            same path on every node, or copied there).
+        mpirun: the mpirun program (default: this environment's, see :func:`distributed.find_mpirun`).
+        backend: ``"gloo"``/``"ccl"`` (default :func:`distributed.select_backend`).
+
+    Returns:
+        The commands to pass to :func:`run_job`.
+    """
+    from helpers.config import parse_args as parse_train_args
+
+    config = parse_train_args(list(train_args))
+    if config.train_data_dir and not Path(config.train_data_dir).is_dir():
+        raise distributed.DistributedError(
+            f"--train_data_dir {config.train_data_dir} is not a folder here; give the concept images' folder "
+            "(the same path on every node)"
+        )
+    work_dir = Path(work_dir)
+    configs = distributed.write_accelerate_configs(layout, work_dir, config.mixed_precision)
+    kwargs = {}
+    if launcher == "mpirun":
+        mpirun = mpirun or distributed.find_mpirun()
+        flavour = distributed.detect_mpi_flavour(mpirun)
+        hostfile = work_dir / "hostfile"
+        if not layout.is_local:
+            distributed.write_hostfile(layout, hostfile, flavour)
+        kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
+    return distributed.launch_commands(
+        layout, train_args, launcher, backend=backend or distributed.select_backend(), **kwargs
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``[launch options] -- [helpers.train flags]``; the train flags are in ``.train_args``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, train_args = argv[:split], argv[split + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers.launch",
+        description="Run helpers.train on several processes or machines (mpirun or torchrun).",
+        epilog="Everything after -- goes to helpers.train, e.g. -- --pretrained_model_name_or_path tiny ...",
+    )
+    parser.add_argument("--launcher", choices=distributed.LAUNCHERS, default="mpirun")
+    parser.add_argument("--nproc_per_node", type=int, default=None,
+                        help="processes per node (default: the hostfile's slots, else 1)")  # fmt: skip
+    parser.add_argument(
+        "--hostfile", help="one host per line; the first is the head node (default: this machine)"
+    )
+    parser.add_argument("--main_process_ip", help="address of rank 0 (default: the first host)")
+    parser.add_argument("--main_process_port", type=int, default=distributed.DEFAULT_PORT)
+    parser.add_argument(
+        "--network_interface", help="NIC between the nodes, e.g. eth0 (default: let MPI choose)"
+    )
+    parser.add_argument("--threads_per_process", type=int, help="default: physical cores // nproc_per_node")
+    parser.add_argument("--mpirun", help="mpirun program (default: this environment's Intel MPI, else PATH)")
+    parser.add_argument("--work_dir", default="launch", help="where the hostfile and accelerate configs go")
+    parser.add_argument("--grace_seconds", type=float, default=30.0,
+                        help="after a rank fails, seconds before the job is killed")  # fmt: skip
+    parser.add_argument("--dry_run", action="store_true",
+                        help="write the configs and print the command of every node; start nothing")  # fmt: skip
+    args = parser.parse_args(own)
+    if not train_args:
+        parser.error("no training flags: add -- and the helpers.train flags, e.g. -- --train_data_dir DIR")
+    args.train_args = train_args
+    return args
+
+
+def layout_from_args(args: argparse.Namespace) -> ClusterLayout:
+    """The :class:`ClusterLayout` the CLI options describe."""
+    kwargs = dict(main_process_ip=args.main_process_ip, main_process_port=args.main_process_port,
+                  network_interface=args.network_interface, threads_per_process=args.threads_per_process)  # fmt: skip
+    return ClusterLayout.create(args.hostfile, args.nproc_per_node, **kwargs)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run (or with ``--dry_run`` print) the job; return its exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        layout = layout_from_args(args)
+        commands = prepare_job(
+            layout, args.train_args, args.launcher, work_dir=args.work_dir, mpirun=args.mpirun
+        )
+    except ValueError as err:  # DistributedError, ConfigError: bad input, nothing started
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for cmd in commands:
+            where = "on the head node" if cmd.host is None else f"on node {cmd.node_rank} ({cmd.host})"
+            print(f"# {args.launcher}, {where}, from {os.getcwd()}:\n{cmd.shell()}")
+        return 0
+    result = run_job(commands, grace_seconds=args.grace_seconds)
+    if not result.ok:
+        print(f"error: {result.message()}", file=sys.stderr)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(parse_args()))

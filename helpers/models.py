@@ -1,0 +1,370 @@
+"""Model sources: a Hub id, a local diffusers folder, or the offline ``"tiny"`` pipeline.
+
+``"tiny"`` is a random-weight Stable Diffusion v1 pipeline (same block structure: a VAE that
+downsamples 8x, a UNet with three cross-attention levels, a CLIP text encoder) at tiny widths,
+with the real CLIP BPE vocabulary. It builds offline in seconds, deterministically, and is the
+embedded default for the demo and every test. Real checkpoints load through the same code.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+"""The maintained copy of ``runwayml/stable-diffusion-v1-5`` (that repository was removed)."""
+TINY = "tiny"
+TINY_RESOLUTION = 64
+CLIP_VOCAB_FILE = Path(__file__).parent / "assets" / "clip_vocab" / "bpe_simple_vocab_16e6.txt.gz"
+# Files of a diffusers Stable Diffusion repo that training and inference need (skips EMA/fp16/ckpt copies).
+HUB_ALLOW_PATTERNS = [
+    "model_index.json",
+    "scheduler/*",
+    "tokenizer/*",
+    "feature_extractor/*",
+    "text_encoder/config.json",
+    "text_encoder/model.safetensors",
+    "unet/config.json",
+    "unet/diffusion_pytorch_model.safetensors",
+    "vae/config.json",
+    "vae/diffusion_pytorch_model.safetensors",
+]
+
+# Bump when the tiny architecture or its build changes: the cache key includes it.
+TINY_BUILD_VERSION = 2
+TINY_TEXT_CONFIG = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    max_position_embeddings=77,
+    projection_dim=32,
+    hidden_act="quick_gelu",
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=49407,
+)
+TINY_UNET_CONFIG = dict(
+    sample_size=TINY_RESOLUTION // 8,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    block_out_channels=(32, 32, 64, 64),
+    layers_per_block=1,
+    attention_head_dim=8,
+    cross_attention_dim=32,
+    norm_num_groups=32,
+)
+TINY_VAE_CONFIG = dict(
+    sample_size=TINY_RESOLUTION,
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(32, 32, 64, 64),
+    layers_per_block=1,
+    norm_num_groups=32,
+    scaling_factor=0.18215,
+)
+# The noise schedule of Stable Diffusion v1.
+SD_SCHEDULER_CONFIG = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    num_train_timesteps=1000,
+    steps_offset=1,
+    clip_sample=False,
+    set_alpha_to_one=False,
+    skip_prk_steps=True,
+)
+
+
+class HubUnavailableError(RuntimeError):
+    """The Hugging Face Hub cannot be reached (offline machine or HF_HUB_OFFLINE=1)."""
+
+
+@dataclass
+class Components:
+    """The parts of a Stable Diffusion pipeline that textual-inversion training uses."""
+
+    tokenizer: Any
+    text_encoder: torch.nn.Module
+    vae: torch.nn.Module
+    unet: torch.nn.Module
+    noise_scheduler: Any
+    path: Path
+
+
+def ensure_hub_reachable(what: str, fix: str, timeout: float = 3.0) -> None:
+    """Fail fast, with a message naming the fix, when the Hub cannot be reached.
+
+    Args:
+        what: what needed the Hub, e.g. ``"model 'stable-diffusion-v1-5/stable-diffusion-v1-5'"``.
+        fix: what to do instead, e.g. ``"use model='tiny'"``.
+        timeout: seconds to wait for a TCP connection to the Hub endpoint.
+
+    Raises:
+        HubUnavailableError: offline mode is set or no connection could be made.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise HubUnavailableError(
+            f"{what} needs the Hugging Face Hub, but HF_HUB_OFFLINE is set. Fix: {fix}."
+        )
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
+    except OSError as err:
+        raise HubUnavailableError(
+            f"{what} needs the Hugging Face Hub, but {endpoint.hostname}:{port} cannot be reached ({err}). Fix: {fix}."
+        ) from None
+
+
+def cache_dir() -> Path:
+    """Where built models are cached (``$WORKSHOP_CACHE`` or ``~/.cache/sd-cpu-workshop``)."""
+    return Path(os.environ.get("WORKSHOP_CACHE", Path.home() / ".cache" / "sd-cpu-workshop"))
+
+
+def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
+    """Turn ``"tiny"``, a local diffusers folder or a Hub id into a local folder.
+
+    Args:
+        name_or_path: ``"tiny"``, a folder with ``model_index.json``, or a Hub repo id.
+        revision: Hub revision (branch, tag or commit); ignored for local folders.
+
+    Returns:
+        A local folder that ``StableDiffusionPipeline.from_pretrained`` can load.
+
+    Raises:
+        HubUnavailableError: a Hub id was given and the Hub is unreachable.
+        FileNotFoundError: a local path was given that is not a diffusers folder.
+    """
+    name = os.fspath(name_or_path)
+    if name == TINY:
+        return tiny_pipeline_dir()
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")):
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(
+                f"model folder {path} has no model_index.json: it is not a diffusers pipeline folder. "
+                f"Fix: pass a folder saved with save_pretrained, a Hub id, or '{TINY}'."
+            )
+        return path
+    ensure_hub_reachable(
+        f"model {name!r}",
+        f"use the offline tiny model (pretrained_model_name_or_path='{TINY}') or a local diffusers folder",
+    )
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
+
+
+def load_components(
+    pretrained_model_name_or_path: str | os.PathLike, revision: str | None = None
+) -> Components:
+    """Load tokenizer, text encoder (fp32), VAE, UNet and the DDPM training scheduler.
+
+    The text encoder is always loaded in fp32: transformers keeps the dtype weights were saved
+    in, and an fp16 text encoder would train slowly and imprecisely on a CPU.
+    """
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    path = resolve_model(pretrained_model_name_or_path, revision)
+    return Components(
+        tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+        text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", dtype=torch.float32),
+        vae=AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32),
+        unet=UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=torch.float32),
+        noise_scheduler=DDPMScheduler.from_pretrained(path, subfolder="scheduler"),
+        path=path,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """CLIP's reversible byte -> printable-unicode table (the 256 base symbols of its BPE)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, codes), strict=True))
+
+
+def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """CLIP's vocabulary (49,408 tokens) and BPE merges, from the bundled ``bpe_simple_vocab_16e6``.
+
+    Built the way CLIP builds it: 256 byte symbols, their ``</w>`` forms, merges 1..48894,
+    then ``<|startoftext|>`` and ``<|endoftext|>``.
+    """
+    with gzip.open(CLIP_VOCAB_FILE, "rt", encoding="utf-8") as fh:
+        lines = fh.read().split("\n")
+    merges = [tuple(line.split()) for line in lines[1 : 49152 - 256 - 2 + 1]]
+    symbols = list(_bytes_to_unicode().values())
+    tokens = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {tok: i for i, tok in enumerate(tokens)}, merges
+
+
+def build_clip_tokenizer():
+    """The real Stable Diffusion v1 CLIP tokenizer, built offline from the bundled vocabulary."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = clip_vocab_and_merges()
+    return CLIPTokenizer(
+        vocab=vocab,
+        merges=merges,
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=77,
+    )
+
+
+def _build_random_pipeline(path: Path, text_config: dict, unet_config: dict, vae_config: dict, seed: int):
+    """A Stable Diffusion v1 pipeline of the given widths with seeded random weights, saved atomically."""
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**unet_config)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(**vae_config)
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=49408, **text_config))
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=build_clip_tokenizer(),
+        unet=unet,
+        scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    _save_atomically(pipe, Path(path))
+    return pipe
+
+
+def build_tiny_pipeline(path: str | os.PathLike, seed: int = 0):
+    """Build and save the offline tiny Stable Diffusion v1 pipeline (random weights, 64 px).
+
+    Deterministic: two builds with the same seed give bit-identical weights.
+
+    Args:
+        path: folder to write (created; written to a temporary sibling, then renamed).
+        seed: seed of the random weights.
+
+    Returns:
+        The ``StableDiffusionPipeline`` that was saved.
+    """
+    return _build_random_pipeline(Path(path), TINY_TEXT_CONFIG, TINY_UNET_CONFIG, TINY_VAE_CONFIG, seed)
+
+
+def _save_atomically(pipe, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "model_index.json").is_file():  # not a concurrent builder that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_key(*configs: Any) -> str:
+    """A short hash of a build's configuration and the library versions that serialise it."""
+    import diffusers
+    import transformers
+
+    spec = [*configs, SD_SCHEDULER_CONFIG, torch.__version__, diffusers.__version__, transformers.__version__]
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _cached_build(name: str, key: str, build) -> Path:
+    path = cache_dir() / f"{name}-{key}"
+    if not (path / "model_index.json").is_file():
+        logger.info("building the random-weight %s pipeline in %s", name, path)
+        build(path)
+    return path
+
+
+@functools.cache
+def tiny_pipeline_dir() -> Path:
+    """The cached build of the tiny pipeline (built on first use, in a few seconds)."""
+    key = _build_key(TINY_BUILD_VERSION, TINY_TEXT_CONFIG, TINY_UNET_CONFIG, TINY_VAE_CONFIG)
+    return _cached_build("tiny-sd-v1", key, build_tiny_pipeline)
+
+
+# --- the SD v1.5-shape pipeline (benchmarks only) ------------------------------------------------
+
+SD15_SHAPE = "sd15-shape"
+# Bump when the SD v1.5-shape architecture or its build changes: the cache key includes it.
+SD15_SHAPE_BUILD_VERSION = 1
+SD15_SHAPE_TEXT_CONFIG = dict(
+    TINY_TEXT_CONFIG,  # CLIP ViT-L/14 text tower, as in stable-diffusion-v1-5/text_encoder
+    hidden_size=768,
+    intermediate_size=3072,
+    num_attention_heads=12,
+    num_hidden_layers=12,
+    projection_dim=768,
+)
+SD15_SHAPE_UNET_CONFIG = dict(
+    TINY_UNET_CONFIG,
+    sample_size=64,
+    block_out_channels=(320, 640, 1280, 1280),
+    layers_per_block=2,
+    attention_head_dim=8,
+    cross_attention_dim=768,
+)
+SD15_SHAPE_VAE_CONFIG = dict(
+    TINY_VAE_CONFIG, sample_size=512, block_out_channels=(128, 256, 512, 512), layers_per_block=2
+)
+
+
+def build_sd15_shape_pipeline(path: str | os.PathLike, seed: int = 0):
+    """Build and save a pipeline with the real Stable Diffusion v1.5 architecture and random weights.
+
+    UNet 320/640/1280/1280 with cross-attention 768, the CLIP ViT-L/14 text encoder (hidden 768,
+    12 layers, 12 heads, vocabulary 49,408), VAE 128/256/512/512, fp32, built offline (about
+    4.3 GB on disk). Only the shapes are real, so it measures speed and memory, never quality.
+    """
+    return _build_random_pipeline(
+        Path(path), SD15_SHAPE_TEXT_CONFIG, SD15_SHAPE_UNET_CONFIG, SD15_SHAPE_VAE_CONFIG, seed
+    )
+
+
+@functools.cache
+def sd15_shape_pipeline_dir() -> Path:
+    """The cached build of the SD v1.5-shape pipeline (built on first use: about a minute, 4.3 GB)."""
+    key = _build_key(
+        SD15_SHAPE_BUILD_VERSION, SD15_SHAPE_TEXT_CONFIG, SD15_SHAPE_UNET_CONFIG, SD15_SHAPE_VAE_CONFIG
+    )
+    return _cached_build("sd15-shape", key, build_sd15_shape_pipeline)

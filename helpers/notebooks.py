@@ -1,0 +1,194 @@
+"""Run workshop notebooks headlessly and record what they produce.
+
+A notebook calls :func:`record` for every result worth checking (a loss, a path, a count).
+The value travels inside the executed notebook as a display output with its own MIME type,
+so :func:`read_records` can read it back from the ``.ipynb`` file alone, with no side files.
+Tests assert on those records, not only that the notebook ran.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from helpers.files import write_text_atomic
+
+RECORD_MIME = "application/x.workshop.record+json"
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+TINY_PROFILE_FILE = NOTEBOOK_DIR / "tiny_profile.yaml"
+
+logger = logging.getLogger(__name__)
+
+
+class NotebookError(RuntimeError):
+    """A notebook cell failed; the message names the notebook, the cell and the error."""
+
+
+def record(name: str, value: Any) -> Any:
+    """Record a JSON-serialisable result of the running notebook.
+
+    Args:
+        name: key the tests and the demo read back with :func:`read_records`.
+        value: any JSON-serialisable value (numbers, strings, lists, dicts).
+
+    Returns:
+        ``value``, so a cell can record and use a result in one line.
+    """
+    payload = json.loads(json.dumps({"name": name, "value": value}))  # fail early if not JSON
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # pragma: no cover - IPython ships with ipykernel
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display({RECORD_MIME: payload, "text/plain": f"recorded {name} = {value!r}"}, raw=True)
+    else:
+        logger.info("recorded %s = %r", name, value)
+    return value
+
+
+def table(rows: Mapping[str, Any] | list[Mapping[str, Any]], floatfmt: str = ".4g"):
+    """A Markdown table for a notebook: a mapping becomes two columns, a list of mappings one row each."""
+    from IPython.display import Markdown
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, Mapping):  # e.g. CPU flags: "avx2 ✓, amx_bf16 ✗"
+            text = ", ".join(f"{k} {'✓' if x is True else '✗' if x is False else x}" for k, x in v.items())
+        else:
+            text = format(v, floatfmt) if isinstance(v, float) else str(v)
+        return text.replace("|", "\\|")
+
+    if isinstance(rows, Mapping):
+        lines = ["| | |", "|---|---|"] + [f"| {k} | {fmt(v)} |" for k, v in rows.items()]
+    else:
+        keys = list(dict.fromkeys(k for row in rows for k in row))
+        lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(fmt(row.get(k, "")) for k in keys) + " |" for row in rows]
+    return Markdown("\n".join(lines))
+
+
+def read_records(executed_notebook: str | os.PathLike) -> dict[str, Any]:
+    """Read every value recorded by an executed notebook (the last one wins per name)."""
+    nb = json.loads(Path(executed_notebook).read_text())
+    records: dict[str, Any] = {}
+    for cell in nb["cells"]:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if RECORD_MIME in data:
+                payload = data[RECORD_MIME]
+                if isinstance(payload, str):
+                    payload = json.loads(payload)
+                records[payload["name"]] = payload["value"]
+    return records
+
+
+def notebook_paths() -> list[Path]:
+    """All workshop notebooks, in their teaching order (by file name)."""
+    return sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+
+def tiny_profile(notebook: str | os.PathLike) -> dict[str, Any]:
+    """The offline tiny-profile parameters for a notebook (from ``notebooks/tiny_profile.yaml``)."""
+    profiles = yaml.safe_load(TINY_PROFILE_FILE.read_text()) or {}
+    return dict(profiles.get(Path(notebook).stem) or {})
+
+
+def run_notebook(
+    path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    parameters: Mapping[str, Any] | None = None,
+    cell_timeout: int = 1200,
+    cwd: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Execute a notebook with papermill (kernel ``python3``) and return its records.
+
+    Args:
+        path: the notebook to run.
+        output_path: where the executed notebook is written (atomically: temp name, then rename).
+        parameters: values injected after the cell tagged ``parameters``.
+        cell_timeout: seconds any one cell may run.
+        cwd: working directory of the kernel (default: the notebook's folder).
+
+    Returns:
+        The notebook's records (see :func:`record`).
+
+    Raises:
+        NotebookError: a cell raised; the message names the cell and the exception.
+    """
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    path, output_path = Path(path), Path(output_path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"notebook {path} does not exist; the workshop notebooks are {notebook_paths()}"
+        )
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".ipynb", dir=output_path.parent, prefix=f".{output_path.stem}.")
+    os.close(fd)
+    try:
+        papermill.execute_notebook(
+            str(path),
+            tmp,
+            parameters=dict(parameters or {}),
+            kernel_name="python3",
+            execution_timeout=cell_timeout,
+            cwd=str(cwd or path.parent),
+            progress_bar=False,
+        )
+    except PapermillExecutionError as err:
+        # Keep the failed copy next to the output: it shows the traceback in context.
+        failed = output_path.with_suffix(".failed.ipynb")
+        os.replace(tmp, failed)
+        raise NotebookError(
+            f"{path.name}: cell {err.cell_index} raised {err.ename}: {err.evalue}\n"
+            f"--- cell source ---\n{err.source}\n--- executed copy: {failed}"
+        ) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    os.replace(tmp, output_path)
+    return read_records(output_path)
+
+
+def export_html(executed_notebook: str | os.PathLike, html_path: str | os.PathLike) -> Path:
+    """Write a self-contained HTML handout (images inline) of an executed notebook."""
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(embed_images=True)
+    body, _ = exporter.from_filename(str(executed_notebook))
+    return write_text_atomic(html_path, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m helpers.notebooks [--out build] [--html] [NOTEBOOK ...]``: run on the tiny profile."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Run the workshop notebooks headlessly on the tiny profile.")
+    parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: all, in order)")
+    parser.add_argument("--out", default="build", help="folder for executed notebooks and handouts")
+    parser.add_argument("--html", action="store_true", help="also write self-contained HTML handouts")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out).resolve()
+    paths = [Path(p).resolve() for p in args.notebooks] or notebook_paths()
+    for nb in paths:
+        executed = out / nb.name
+        logger.info("running %s ...", nb.name)
+        records = run_notebook(nb, executed, tiny_profile(nb), cwd=out)
+        logger.info("  %s records: %s", nb.name, ", ".join(f"{k}={v!r}" for k, v in records.items()))
+        if args.html:
+            logger.info("  handout: %s", export_html(executed, executed.with_suffix(".html")))
+    logger.info("executed notebooks and handouts are in %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""Figures for the workshop: image grids, loss curves, timing charts.
+
+Every function builds and returns a ``matplotlib.figure.Figure`` and never shows it. Figures
+are closed in pyplot before they are returned: in a notebook the returned figure is displayed
+once (as the cell's value), not a second time by the inline backend, and loops that make many
+figures do not pile them up in pyplot's registry.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+from PIL import Image
+
+__all__ = ["image_grid", "loss_curve", "moving_average", "save_figure", "timing_bars"]
+
+
+def _new_figure(figsize: tuple[float, float]) -> Figure:
+    fig = plt.figure(figsize=figsize)
+    plt.close(fig)  # see the module docstring: return it unregistered
+    return fig
+
+
+def image_grid(
+    images: Sequence[Image.Image | str | os.PathLike],
+    titles: Sequence[str] | None = None,
+    cols: int | None = None,
+    size: float = 2.5,
+) -> Figure:
+    """Show images in a grid, one axis per image, without ticks.
+
+    Args:
+        images: PIL images or paths to image files.
+        titles: one title per image, or None.
+        cols: images per row; default ``min(len(images), 5)``.
+        size: width and height of each cell in inches.
+
+    Returns:
+        The figure, with exactly ``len(images)`` axes in reading order.
+    """
+    if not images:
+        raise ValueError("image_grid got no images: pass at least one PIL image or image path.")
+    if titles is not None and len(titles) != len(images):
+        raise ValueError(
+            f"image_grid got {len(images)} images but {len(titles)} titles: pass one title per image."
+        )
+    cols = min(len(images), 5) if cols is None else cols
+    if cols < 1:
+        raise ValueError(f"cols={cols}: use at least 1 column.")
+    rows = math.ceil(len(images) / cols)
+    fig = _new_figure((cols * size, rows * size + (0.3 * rows if titles else 0)))
+    for k, item in enumerate(images):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        if isinstance(item, Image.Image):
+            ax.imshow(item)
+        else:
+            with Image.open(item) as img:
+                ax.imshow(img.convert("RGB"))
+        ax.set_axis_off()
+        if titles is not None:
+            ax.set_title(titles[k], fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def moving_average(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing moving average, the same length as ``values``.
+
+    Point ``k`` is the mean of ``values[max(0, k - window + 1) : k + 1]``, so the first points
+    average what is available instead of being dropped.
+
+    Args:
+        values: the series to smooth.
+        window: number of points averaged; 1 (or 0) returns the values unchanged.
+
+    Returns:
+        A float array of ``len(values)`` smoothed values.
+    """
+    x = np.asarray(values, dtype=float)
+    if window <= 1 or x.size == 0:
+        return x.copy()
+    csum = np.concatenate([[0.0], np.cumsum(x)])
+    k = np.arange(1, x.size + 1)
+    start = np.maximum(0, k - window)
+    return (csum[k] - csum[start]) / (k - start)
+
+
+def loss_curve(
+    history: Sequence[Mapping[str, float]], smooth: int = 0, title: str = "Training loss"
+) -> Figure:
+    """Plot the training loss per step, with its moving average and the learning rate.
+
+    Args:
+        history: one mapping per logged step with ``"step"`` and ``"loss"`` and optionally ``"lr"``
+            (the rows of a run's ``history.json``).
+        smooth: moving-average window in steps; 0 or 1 draws the raw loss only.
+        title: the axes title.
+
+    Returns:
+        The figure. Its first axes hold the loss (raw line first, then the average if
+        ``smooth > 1``); a second axes (twin x) holds the learning rate if any row has ``"lr"``.
+    """
+    if not history:
+        raise ValueError("loss_curve got an empty history: train for at least one step first.")
+    for k, row in enumerate(history):
+        missing = [key for key in ("step", "loss") if key not in row]
+        if missing:
+            raise ValueError(
+                f"history[{k}] has no {missing}: each row needs 'step' and 'loss' (got {sorted(row)})."
+            )
+    steps = np.array([row["step"] for row in history], dtype=float)
+    loss = np.array([row["loss"] for row in history], dtype=float)
+    fig = _new_figure((7.0, 3.8))
+    ax = fig.add_subplot(1, 1, 1)
+    smoothed = smooth > 1
+    # Per-step diffusion losses are very noisy (random timestep and noise); the average is the signal.
+    ax.plot(steps, loss, color="tab:blue", alpha=0.3 if smoothed else 1.0, linewidth=1, label="loss")
+    if smoothed:
+        ax.plot(
+            steps,
+            moving_average(loss, smooth),
+            color="tab:blue",
+            linewidth=2,
+            label=f"mean of {smooth} steps",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    lr_rows = [row for row in history if row.get("lr") is not None]
+    if lr_rows:
+        ax_lr = ax.twinx()
+        ax_lr.plot(
+            [row["step"] for row in lr_rows],
+            [row["lr"] for row in lr_rows],
+            color="tab:orange",
+            linewidth=1.2,
+            linestyle="--",
+            label="lr",
+        )
+        ax_lr.set_ylabel("learning rate", color="tab:orange")
+        ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        h, lab = ax_lr.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    ax.legend(handles, labels, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def timing_bars(
+    seconds: Mapping[str, float], title: str, unit: str = "s/image", baseline: str | None = None
+) -> Figure:
+    """Compare timings as bars, annotated with the value and the speed-up over a baseline.
+
+    Args:
+        seconds: label -> time (lower is faster), in display order.
+        title: the axes title.
+        unit: unit of the values, shown on the axis and in the annotations.
+        baseline: label the speed-ups are relative to; default the slowest entry, so every
+            annotation reads as "N× faster than the slowest".
+
+    Returns:
+        The figure: one axes with one bar per entry, bar heights equal to the inputs, and one
+        text annotation per bar, ``"<value> <unit>\\n<speed-up>×"`` with speed-up
+        ``seconds[baseline] / seconds[label]``.
+    """
+    if not seconds:
+        raise ValueError("timing_bars got no timings: pass at least one {label: seconds} entry.")
+    bad = {k: v for k, v in seconds.items() if not (v > 0 and math.isfinite(v))}
+    if bad:
+        raise ValueError(
+            f"timing_bars needs positive finite times, got {bad}: measure again or drop those entries."
+        )
+    if baseline is None:
+        baseline = max(seconds, key=seconds.__getitem__)
+    elif baseline not in seconds:
+        raise ValueError(
+            f"baseline {baseline!r} is not one of the timings {list(seconds)}: pick one of them."
+        )
+    labels, values = list(seconds), [float(v) for v in seconds.values()]
+    fig = _new_figure((max(4.0, 1.6 * len(labels) + 1.5), 3.8))
+    ax = fig.add_subplot(1, 1, 1)
+    bars = ax.bar(labels, values, color=["tab:gray" if lab == baseline else "tab:green" for lab in labels])
+    for bar, value in zip(bars, values, strict=True):
+        ratio = seconds[baseline] / value
+        ax.annotate(
+            f"{value:.3g} {unit}\n{ratio:.1f}×",
+            (bar.get_x() + bar.get_width() / 2, value),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
+    ax.set_ylim(0, max(values) * 1.3)  # room for the annotations above the tallest bar
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.set_xlabel(f"× = speed-up over {baseline!r}")
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Save a figure atomically: to a temporary file beside ``path``, then renamed.
+
+    Args:
+        fig: the figure to save.
+        path: destination; the format comes from its suffix (``.png``, ``.svg``, ``.pdf``, ...).
+        dpi: resolution for raster formats.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    path = Path(path)
+    fmt = path.suffix.lstrip(".").lower()
+    if not fmt:
+        raise ValueError(
+            f"cannot tell the image format of {str(path)!r}: give it a suffix such as .png or .svg."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a half-written file behind
+        raise
+    return path

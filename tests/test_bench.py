@@ -1,0 +1,181 @@
+"""Smoke tests of the benchmark code paths on the tiny model: structure and exact counts, never timings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import allreduce, common, optimisations, train_step
+from helpers import data, models
+
+PHASES = set(train_step.PHASES) | {"total"}
+
+
+def test_sd15_shape_configs_have_the_real_parameter_counts():
+    """The SD v1.5-shape pipeline has exactly SD v1.5's parameter counts (built on the meta device)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**models.SD15_SHAPE_UNET_CONFIG)
+        vae = AutoencoderKL(**models.SD15_SHAPE_VAE_CONFIG)
+        te = CLIPTextModel(CLIPTextConfig(vocab_size=49408, **models.SD15_SHAPE_TEXT_CONFIG))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert (count(unet), count(vae), count(te)) == (859_520_964, 83_653_863, 123_060_480)
+    assert te.get_input_embeddings().weight.shape == (49408, 768)
+
+
+def test_flops_include_cpu_attention():
+    q = torch.randn(1, 8, 256, 40, requires_grad=True)
+    fwd = common.count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert fwd == 2 * (2 * 8 * 256 * 256 * 40)  # QK^T and AV
+    both = common.count_flops(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    )
+    assert both == fwd + 5 * fwd // 2  # backward: recompute scores + 4 matmuls
+
+
+def test_concept_dir_upscales_only_when_needed(tmp_path):
+    from PIL import Image
+
+    assert common.concept_dir(64, tmp_path / "x") == data.sample_concept_dir()
+    big = common.concept_dir(256, tmp_path / "big")
+    files = data.validate_image_folder(big, min_size=256)
+    assert len(files) == len(data.validate_image_folder(data.sample_concept_dir()))
+    with Image.open(files[0]) as img:
+        assert min(img.size) == 256
+
+
+def test_interleaving_alternates_the_order():
+    calls = []
+    steps = {"a": lambda i: calls.append(("a", i)) or {}, "b": lambda i: calls.append(("b", i)) or {}}
+    common.run_interleaved(steps, n=3, warmup=1)
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    return common.make_setup("tiny", 64, 2, tmp_path_factory.mktemp("setup"))
+
+
+def test_ours_and_reference_do_the_same_work_but_the_vae(tiny_setup):
+    """Same batch, same modules: the reference counts exactly the VAE encoder's FLOPs more."""
+    ours, ref = common.OursStep(tiny_setup), common.ReferenceStep(tiny_setup)
+    with ours.active():
+        f_ours = common.count_flops(lambda: ours(0))
+    with ref.active():
+        f_ref = common.count_flops(lambda: ref(0))
+    pixels = torch.stack([tiny_setup.dataset.view_pixels(int(v)) for v in tiny_setup.batch(0)["view_index"]])
+    with torch.no_grad():
+        f_vae = common.count_flops(lambda: tiny_setup.parts.vae.encode(pixels))
+    assert f_ours > 0 and f_ref - f_ours == f_vae
+    # the reference trains the whole matrix but restores every row except the new one
+    weight = tiny_setup.parts.text_encoder.get_input_embeddings().weight
+    assert torch.equal(weight[ref.keep], ref.original[ref.keep])
+    assert not torch.equal(weight[tiny_setup.token_ids], ref.original[tiny_setup.token_ids])
+    assert not weight.requires_grad  # both modes leave the matrix frozen when inactive
+
+
+def test_phase_timer_splits_the_step(tiny_setup):
+    ours = common.OursStep(tiny_setup)
+    timer = common.PhaseTimer(tiny_setup.parts.text_encoder, ours.unet)
+    with ours.active():
+        ours(0, timer)
+    timer.remove()
+    phases = timer.phases()
+    assert set(phases) == PHASES
+    parts = sum(v for k, v in phases.items() if k != "total")
+    assert all(v >= 0 for v in phases.values()) and parts == pytest.approx(phases["total"], rel=1e-6)
+    assert phases["unet_backward"] > 0 and phases["text_encoder_backward"] > 0
+
+
+def test_train_step_benchmark_on_tiny(tmp_path):
+    out = tmp_path / "r.json"
+    report = train_step.main(
+        train_step.parse_args(["--model", "tiny", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    )
+    assert out.is_file() and report["resolution"] == 64 and report["threads"] >= 1
+    for name in ("ours", "reference"):
+        mode = report["modes"][name]
+        assert mode["seconds_per_step"]["n"] == 2 and set(mode["breakdown"]) == PHASES - {"total"}
+        assert mode["peak_rss_mib"] > 0 and mode["flops_per_step"] > 0
+    assert report["modes"]["reference"]["flops_per_step"] > report["modes"]["ours"]["flops_per_step"]
+    assert report["modes"]["ours"]["breakdown"]["communication"] == 0.0
+    assert report["flop_bound_seconds"] == pytest.approx(
+        report["modes"]["ours"]["flops_per_step"] / (report["gemm_peak_gflops"] * 1e9)
+    )
+    assert "speed-up (reference / ours)" in train_step.format_report(report)
+
+
+@pytest.mark.slow
+def test_allreduce_benchmark_on_tiny(tmp_path):
+    report = allreduce.main(
+        allreduce.parse_args(
+            ["--model", "tiny", "--steps", "1", "--split_rounds", "1", "--out", str(tmp_path / "a.json")]
+        )
+    )
+    ours, ref = report["modes"]["ours"], report["modes"]["reference"]
+    hidden = models.TINY_TEXT_CONFIG["hidden_size"]
+    assert ours["allreduce_bytes_per_step"] == 1 * hidden * 4  # one new row
+    assert ref["allreduce_bytes_per_step"] == (49408 + 1) * hidden * 4  # the whole matrix
+    assert ours["parameters_all_reduced"] == hidden and ref["parameters_all_reduced"] == 49409 * hidden
+    assert report["bytes_ratio"] == 49409
+    assert set(report["split"]["layouts"]) == {"2x1", "1x2"} or report["threads_per_process"] != 1
+
+
+def test_optimisations_benchmark_on_tiny(tmp_path):
+    report = optimisations.main(
+        optimisations.parse_args(
+            ["--model", "tiny", "--steps", "1", "--rounds", "1", "--out", str(tmp_path / "o.json")]
+            + ["--only", "channels_last,prepacked_convs,allocator"]
+        )
+    )
+    opts = report["options"]
+    assert set(opts) == {"channels_last", "prepacked_convs", "allocator"}
+    for name in ("channels_last", "prepacked_convs"):
+        assert not opts[name]["used_by_engine"]
+        assert opts[name]["speedup"] > 0 and opts[name]["seconds"]["on"]["n"] == 1
+    alloc = opts["allocator"]
+    assert alloc["baseline_s"] > 0 and alloc["glibc_default_training_rss_mib"] > 0
+    assert all(len(runs) == 1 for runs in alloc["seconds"].values())
+    with pytest.raises(SystemExit):
+        optimisations.parse_args(["--only", "warp_drive"])
+
+
+def test_prepacked_convolution_matches_the_plain_one():
+    from bench import prepack
+
+    torch.manual_seed(0)
+    for cin, cout, k, stride in [(16, 8, 3, 1), (16, 8, 1, 1), (8, 8, 3, 2)]:
+        conv = torch.nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2).requires_grad_(False)
+        x = torch.randn(2, cin, 12, 12, requires_grad=True)
+        y = conv(x)
+        grad = torch.randn_like(y)
+        (expected_grad,) = torch.autograd.grad(y, x, grad)
+        assert prepack.pack_conv(conv)
+        y2 = conv(x)
+        (got_grad,) = torch.autograd.grad(y2, x, grad)
+        torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5)
+        prepack.unpack_conv(conv)
+        assert "forward" not in conv.__dict__
+
+
+def test_keep_freed_memory_stops_refaulting_big_blocks():
+    """Blocks above glibc's mmap threshold are page-faulted in afresh each time, unless kept."""
+    import resource
+
+    from helpers import cpu
+
+    def faults() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(6):
+            torch.ones(16_000_000)  # 64 MB, touched, then freed
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    outside = faults()
+    with cpu.keep_freed_memory() as applied:
+        faults()  # the heap grows to its working size once
+        inside = faults()
+    assert applied  # Linux with glibc, as here
+    assert outside > 6 * 15_000 and inside < outside / 10

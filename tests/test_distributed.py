@@ -1,0 +1,429 @@
+"""helpers.distributed: layouts, hostfiles, accelerate configs, launch commands, pre-flight.
+
+Multi-host commands are run for real: every MPI flavour starts the exact 4-node x 4-process
+command it was given, on "nodes" that a stand-in for ssh runs on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import distributed as d
+
+HOSTS4 = ("node1", "node2", "node3", "node4")
+MPIRUNS = {
+    d.MpiFlavour.INTEL: Path(sys.executable).parent / "mpirun",
+    d.MpiFlavour.MPICH: Path("/usr/bin/mpirun.mpich"),
+    d.MpiFlavour.OPENMPI: Path("/usr/bin/mpirun.openmpi"),
+}
+INSTALL = {
+    d.MpiFlavour.INTEL: "pip install impi-rt==2021.18.1 (make setup)",
+    d.MpiFlavour.MPICH: "apt-get install mpich",
+    d.MpiFlavour.OPENMPI: "apt-get install openmpi-bin",
+}
+# How each flavour is told to use another ssh program, without changing the command line.
+SSH_OVERRIDE = {
+    d.MpiFlavour.INTEL: lambda ssh: {"I_MPI_HYDRA_BOOTSTRAP": "ssh", "I_MPI_HYDRA_BOOTSTRAP_EXEC": ssh},
+    d.MpiFlavour.MPICH: lambda ssh: {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": ssh},
+    d.MpiFlavour.OPENMPI: lambda ssh: {"OMPI_MCA_plm_rsh_agent": ssh},
+}
+FAKE_SSH = """#!/bin/sh
+# Stand-in for ssh: drop the options, note the host, run the remote command on this machine.
+while [ $# -gt 0 ]; do case "$1" in -o|-p|-l|-i|-F) shift 2;; -*) shift;; *) break;; esac; done
+host=$1; shift
+echo "$host" >> "$(dirname "$0")/ssh_hosts.log"
+FAKE_HOST=$host exec sh -c "$*"
+"""
+
+
+def mpirun_for(flavour: d.MpiFlavour) -> str:
+    path = MPIRUNS[flavour]
+    if not path.exists():
+        pytest.skip(f"{flavour.value} is not installed here: {INSTALL[flavour]}")
+    return str(path)
+
+
+@pytest.fixture
+def fake_ssh(tmp_path) -> Path:
+    path = tmp_path / "fake_ssh"
+    path.write_text(FAKE_SSH)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+# --- layout and hostfiles ------------------------------------------------------------------------
+
+
+def test_local_layout_defaults():
+    layout = d.ClusterLayout.local(2)
+    assert layout.is_local and layout.world_size == 2 and layout.num_machines == 1
+    assert layout.main_process_ip == "127.0.0.1" and layout.main_process_port == d.DEFAULT_PORT
+    assert layout.threads_per_process == max(1, d.physical_cores() // 2)
+
+
+def test_remote_layout_uses_first_host_as_main():
+    layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=8)
+    assert not layout.is_local and layout.world_size == 16 and layout.main_process_ip == "node1"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "node1\nnode2\n",
+        "node1:4\nnode2:4\n",
+        "# cluster\nnode1 slots=4  # head\n\nnode2 slots=4 max_slots=8\n",
+    ],
+)
+def test_hostfile_syntaxes(tmp_path, text):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    layout = d.ClusterLayout.from_hostfile(path)
+    assert layout.hosts == ("node1", "node2")
+    assert layout.nproc_per_node == (1 if ":" not in text and "slots" not in text else 4)
+    assert d.ClusterLayout.from_hostfile(path, nproc_per_node=3).nproc_per_node == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("", "lists no host"),
+        ("node1 extra words\n", r"hosts:1: cannot read"),
+        ("node1:2\nnode2:4\n", "different slot counts"),
+        ("node1\nnode1\n", "more than once"),
+    ],
+)
+def test_bad_hostfiles_name_the_problem(tmp_path, text, match):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(d.DistributedError, match=match):
+        d.ClusterLayout.from_hostfile(path)
+
+
+def test_missing_hostfile_and_bad_values():
+    with pytest.raises(d.DistributedError, match="does not exist"):
+        d.ClusterLayout.from_hostfile("/no/such/hostfile")
+    with pytest.raises(d.DistributedError, match="nproc_per_node=0"):
+        d.ClusterLayout.local(0)
+    with pytest.raises(d.DistributedError, match="main_process_port=70000"):
+        d.ClusterLayout.local(1, main_process_port=70000)
+    with pytest.raises(d.DistributedError, match="hosts="):
+        d.ClusterLayout(())
+
+
+@pytest.mark.parametrize("flavour", list(d.MpiFlavour))
+def test_write_hostfile_round_trips(tmp_path, flavour):
+    layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=1)
+    path = d.write_hostfile(layout, tmp_path / "hostfile", flavour)
+    assert path.read_text().splitlines()[0] == ("node1:4" if flavour.hydra else "node1 slots=4")
+    assert d.ClusterLayout.from_hostfile(path).hosts == HOSTS4
+
+
+# --- accelerate configs --------------------------------------------------------------------------
+
+
+def test_configs_load_with_accelerates_loader(tmp_path):
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+    from accelerate.utils import DistributedType
+
+    layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, main_process_ip="10.0.0.4", main_process_port=29555)
+    paths = d.write_accelerate_configs(layout, tmp_path / "cfg", mixed_precision="bf16")
+    assert [p.name for p in paths] == [f"accelerate_config_node{k}.yaml" for k in range(4)]
+    for k, path in enumerate(paths):
+        cfg = load_config_from_file(str(path))
+        assert isinstance(cfg, ClusterConfig)
+        assert cfg.distributed_type == DistributedType.MULTI_CPU and cfg.use_cpu is True
+        assert (cfg.machine_rank, cfg.num_machines, cfg.num_processes) == (k, 4, 16)
+        assert (cfg.main_process_ip, cfg.main_process_port) == ("10.0.0.4", 29555)
+        assert cfg.mixed_precision == "bf16" and cfg.mpirun_config == {} and cfg.rdzv_backend == "static"
+        # every key carries a comment saying why
+        keys = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+        assert keys and all("  # " in ln for ln in keys)
+
+
+def test_mixed_precision_no_stays_a_string_and_auto_resolves(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from helpers import cpu
+
+    layout = d.ClusterLayout.local(2)
+    for requested, expected in [("no", "no"), ("auto", cpu.choose_precision("auto").mixed_precision)]:
+        (path,) = d.write_accelerate_configs(layout, tmp_path / requested, requested)
+        assert load_config_from_file(str(path)).mixed_precision == expected
+    with pytest.raises(d.DistributedError, match="mixed_precision='fp16'"):
+        d.write_accelerate_configs(layout, tmp_path, "fp16")
+    with pytest.raises(d.DistributedError, match="machine_rank=1"):
+        d.render_accelerate_config(layout, machine_rank=1)
+
+
+def test_our_answers_reproduce_the_interactive_accelerate_config(monkeypatch):
+    """Feed our answers to accelerate's own questionnaire: it must ask exactly our questions and
+    produce the same settings as our file."""
+    import accelerate.commands.config.cluster as cluster
+    import accelerate.commands.config.config as config
+
+    layout = d.ClusterLayout(HOSTS4, nproc_per_node=2, main_process_ip="10.0.0.4", main_process_port=29501)
+    text = d.render_accelerate_config(
+        layout, machine_rank=2, mixed_precision="no", mpirun_hostfile="/tmp/hosts"
+    )
+    answers = {a.question.strip(): a.answer for a in d.config_answers(text) if a.question}
+    asked = []
+
+    def ask_field(question, convert_value=None, default=None, error_message=None):
+        asked.append(question.strip())
+        answer = answers[question.strip()]
+        return convert_value(answer) if convert_value else answer
+
+    def ask_options(question, options, convert_value=None, default=0):
+        asked.append(question.strip())
+        index = [str(o) for o in options].index(answers[question.strip()])
+        return convert_value(index) if convert_value else options[index]
+
+    for module in (cluster, config):
+        monkeypatch.setattr(module, "_ask_field", ask_field, raising=False)
+        monkeypatch.setattr(module, "_ask_options", ask_options)
+    produced = config.get_user_input().to_dict()
+    assert asked == list(answers)  # same questions, same order
+    ours = yaml.safe_load(text)
+    for key, value in ours.items():
+        assert produced.get(key, value) == value, key
+    assert {k for k in ours if k not in produced} <= {"dynamo_config"}  # {} is dropped by to_dict
+
+
+def test_template_asset_is_annotated_and_loads(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    template = d.CONFIG_TEMPLATE.read_text()
+    assert "<HEAD_NODE_IP>" in template and "<MACHINE_RANK>" in template
+    path = tmp_path / "t.yaml"
+    path.write_text(template)  # placeholders are strings: still a file accelerate's loader reads
+    assert load_config_from_file(str(path)).main_process_ip == "<HEAD_NODE_IP>"
+
+
+@pytest.mark.slow
+def test_mpirun_config_lets_accelerate_launch_start_all_ranks(tmp_path):
+    """The 'yes' answer to 'launch mpirun?': `accelerate launch --config_file` alone starts both ranks."""
+    layout = d.ClusterLayout.local(2, main_process_port=d.free_port())
+    hostfile = d.write_hostfile(layout, tmp_path / "hostfile", d.MpiFlavour.INTEL)
+    (config,) = d.write_accelerate_configs(layout, tmp_path, mpirun_hostfile=hostfile)
+    script = tmp_path / "world.py"
+    script.write_text(
+        "from accelerate import Accelerator\na = Accelerator(cpu=True)\n"
+        "print(f'WORLD {a.process_index} {a.num_processes}', flush=True)\na.end_training()\n"
+    )
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(ln for ln in out.stdout.splitlines() if ln.startswith("WORLD")) == [
+        "WORLD 0 2",
+        "WORLD 1 2",
+    ]
+
+
+# --- flavour, backend, environment ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavour", list(d.MpiFlavour))
+def test_detect_mpi_flavour(flavour):
+    assert d.detect_mpi_flavour(mpirun_for(flavour)) is flavour
+
+
+def test_detect_rejects_a_program_that_is_not_mpi():
+    with pytest.raises(d.DistributedError, match="not Intel MPI, MPICH or Open MPI"):
+        d.detect_mpi_flavour(shutil.which("python3") or sys.executable)
+
+
+def test_backend_is_gloo_here_and_env_is_explicit():
+    assert d.select_backend() == "gloo"  # oneccl_bindings_for_pytorch is not installable here
+    layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=6, network_interface="eth1")
+    env = d.job_env(layout)
+    assert env == {
+        "MASTER_ADDR": "node1", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "6",
+        "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth1",
+    }  # fmt: skip
+    assert {"CCL_WORKER_COUNT", "CCL_ATL_TRANSPORT", "FI_TCP_IFACE"} <= set(d.job_env(layout, "ccl"))
+    with pytest.raises(d.DistributedError, match="backend='nccl'"):
+        d.job_env(layout, "nccl")
+
+
+# --- commands ----------------------------------------------------------------------------------------
+
+
+def test_hydra_command_syntax():
+    layout = d.ClusterLayout(
+        HOSTS4, 4, main_process_ip="10.0.0.4", threads_per_process=2, network_interface="eth0"
+    )
+    (intel,) = d.launch_commands(
+        layout, ["--seed", "1"], flavour=d.MpiFlavour.INTEL, mpirun="mpirun", hostfile="hf"
+    )
+    argv = list(intel.argv)
+    assert argv[:8] == ["mpirun", "-l", "-f", "hf", "-n", "16", "-ppn", "4"]
+    assert intel.env == {"I_MPI_HYDRA_IFACE": "eth0"}
+    assert "-genv MASTER_ADDR 10.0.0.4 -genv MASTER_PORT 29500 -genv OMP_NUM_THREADS 2" in intel.shell()
+    assert argv[-4:] == ["-m", "helpers.train", "--seed", "1"]
+    assert argv[argv.index(sys.executable) : argv.index(sys.executable) + 3] == [
+        sys.executable, "-m", "accelerate.commands.launch",
+    ]  # fmt: skip
+    (mpich,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.MPICH, mpirun="mpirun", hostfile="hf")
+    assert "-iface eth0" in mpich.shell() and not mpich.env
+
+
+def test_openmpi_command_syntax():
+    layout = d.ClusterLayout(HOSTS4, 4, threads_per_process=2, network_interface="eth0")
+    (cmd,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.OPENMPI, mpirun="mpirun", hostfile="hf")
+    line = cmd.shell()
+    assert "--hostfile hf -n 16 --npernode 4" in line and "--bind-to none" in line
+    assert "-x MASTER_ADDR=node1 -x MASTER_PORT=29500 -x OMP_NUM_THREADS=2" in line
+    assert "--mca btl_tcp_if_include eth0" in line
+    assert ("--allow-run-as-root" in line) == (os.geteuid() == 0)
+
+
+def test_local_commands_need_no_hostfile():
+    layout = d.ClusterLayout.local(2)
+    (hydra,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.INTEL, mpirun="mpirun")
+    (ompi,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.OPENMPI, mpirun="mpirun")
+    assert "-hosts localhost -n 2 -ppn 2" in hydra.shell() and "--host localhost:2 -n 2" in ompi.shell()
+
+
+def test_without_config_file_the_accelerate_settings_go_inline():
+    layout = d.ClusterLayout(HOSTS4, 2, threads_per_process=1)
+    (cmd,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.INTEL, mpirun="mpirun")
+    assert (
+        "--cpu --num_machines 4 --num_processes 8 --main_process_ip node1 --main_process_port 29500"
+        in cmd.shell()
+    )
+    (cfg,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.INTEL, mpirun="mpirun", config_file="c.yaml")
+    assert f"--config_file {os.path.abspath('c.yaml')} -m helpers.train" in cfg.shell()
+
+
+def test_torchrun_commands_parse_with_torchruns_own_parser():
+    from torch.distributed.run import get_args_parser
+
+    layout = d.ClusterLayout(HOSTS4, 4, main_process_ip="10.0.0.4", threads_per_process=2)
+    cmds = d.launch_commands(layout, ["--seed", "1"], "torchrun")
+    assert [c.host for c in cmds] == list(HOSTS4) and [c.rank_offset for c in cmds] == [0, 4, 8, 12]
+    for k, cmd in enumerate(cmds):
+        assert cmd.argv[:3] == (sys.executable, "-m", "torch.distributed.run")
+        args = get_args_parser().parse_args(list(cmd.argv[3:]))
+        assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("4", k, "4")
+        assert (args.master_addr, args.master_port, args.module) == ("10.0.0.4", 29500, True)
+        assert (args.training_script, args.training_script_args) == ("helpers.train", ["--seed", "1"])
+        assert cmd.env["OMP_NUM_THREADS"] == "2" and "MASTER_ADDR" not in cmd.env
+
+
+def test_bad_launcher_is_named():
+    with pytest.raises(d.DistributedError, match="launcher='srun'"):
+        d.launch_commands(d.ClusterLayout.local(1), [], "srun")
+
+
+@pytest.mark.parametrize("flavour", list(d.MpiFlavour))
+def test_four_nodes_by_four_processes_run_as_planned(tmp_path, fake_ssh, flavour):
+    """The exact 4 x 4 command of each flavour, run on four ssh stand-ins: 16 ranks, 4 per node,
+    every rank with the environment we set."""
+    mpirun = mpirun_for(flavour)
+    layout = d.ClusterLayout(
+        HOSTS4, 4, main_process_ip="10.9.8.7", main_process_port=29777, threads_per_process=3
+    )
+    hostfile = d.write_hostfile(layout, tmp_path / "hostfile", flavour)
+    probe = ["sh", "-c", 'echo "ON $FAKE_HOST $MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS"']
+    (cmd,) = d.launch_commands(layout, [], mpirun=mpirun, hostfile=hostfile, program=probe)
+    env = dict(os.environ, **cmd.env, **SSH_OVERRIDE[flavour](str(fake_ssh)))
+    env["PATH"] = f"{Path(mpirun).parent}{os.pathsep}{env['PATH']}"
+    out = subprocess.run(cmd.argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    for _ in range(2):
+        if (
+            flavour is not d.MpiFlavour.OPENMPI
+            or "unable to complete a TCP connection" not in out.stdout + out.stderr
+        ):
+            break
+        # Four Open MPI daemons on one sandboxed VM sometimes fail to connect to each other
+        # (about 1 run in 5 here); that is the sandbox, not the command: run it again.
+        out = subprocess.run(cmd.argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    tagged = {}
+    pattern = r"\[(\d+)\] " if flavour.hydra else r"\[\d+,(\d+)\]<stdout>:"
+    for line in out.stdout.splitlines():
+        m = re.match(pattern + r"ON (\S+) (.*)$", line)
+        if m:
+            tagged[int(m[1])] = (m[2], m[3])
+    assert sorted(tagged) == list(range(16))
+    assert all(tagged[r] == (HOSTS4[r // 4], "10.9.8.7 29777 3") for r in range(16)), tagged
+    assert set((tmp_path / "ssh_hosts.log").read_text().split()) == set(HOSTS4)
+
+
+# --- pre-flight ----------------------------------------------------------------------------------------
+
+
+def test_preflight_on_this_machine_finds_nothing_wrong(tmp_path):
+    layout = d.ClusterLayout(("localhost",), 2, main_process_port=d.free_port())
+    assert d.preflight(layout, tmp_path) == []
+
+
+def test_preflight_reports_missing_data_busy_port_and_unknown_host(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        layout = d.ClusterLayout(("localhost", "no-such-node.invalid"), 1, main_process_ip="localhost",
+                                 main_process_port=port, threads_per_process=1)  # fmt: skip
+        problems = d.preflight(layout, tmp_path / "missing", timeout=5)
+    found = {(p.host, p.check) for p in problems}
+    assert found == {("localhost", "files"), ("localhost", "port"), ("no-such-node.invalid", "ssh")}
+    ssh_problem = next(p for p in problems if p.check == "ssh")
+    assert "no-such-node.invalid" in ssh_problem.detail and "BatchMode" in ssh_problem.fix
+    assert next(p for p in problems if p.check == "port").detail == f"port {port} is in use"
+
+
+def test_preflight_over_ssh_compares_versions(tmp_path, fake_ssh):
+    """Through the ssh stand-in the probe runs remotely; same interpreter, so nothing differs."""
+    layout = d.ClusterLayout(("nodeA", "nodeB"), 1, main_process_port=d.free_port(), threads_per_process=1)
+    assert d.preflight(layout, tmp_path, ssh=(str(fake_ssh),)) == []
+    assert set((tmp_path / "ssh_hosts.log").read_text().split()) == {"nodeA", "nodeB"}
+
+
+def test_config_form_writes_the_files_with_the_parameters_defaults(tmp_path):
+    form = d.config_form(nproc_per_node=3, main_process_port=29999, mixed_precision="no",
+                         config_dir=str(tmp_path / "cfg"))  # fmt: skip
+    values = [c.value for c in form.children[:5]]
+    assert values == ["", 3, 29999, "no", str(tmp_path / "cfg")]
+    form.children[5].click()  # what pressing the button does
+    cfg = yaml.safe_load((tmp_path / "cfg" / "accelerate_config_node0.yaml").read_text())
+    assert (cfg["num_processes"], cfg["main_process_port"], cfg["mixed_precision"]) == (3, 29999, "no")
+
+
+def test_local_host_detection_knows_this_machines_addresses():
+    assert (
+        d.is_local_host("localhost")
+        and d.is_local_host("127.0.0.1")
+        and d.is_local_host(socket.gethostname())
+    )
+    assert not d.is_local_host("no-such-node.invalid")
+
+
+@pytest.mark.notebooks
+def test_notebook_03_records(notebook_records, notebook_run_dir):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from helpers import cpu
+
+    r = notebook_records("03_accelerate_config")
+    assert r["config_files"] == ["accelerate_config_node0.yaml"] and r["machine_ranks"] == [0]
+    assert (r["num_processes"], r["num_machines"], r["distributed_type"]) == (2, 1, "MULTI_CPU")
+    assert r["mixed_precision"] == cpu.choose_precision("auto").mixed_precision
+    assert r["questions_answered"] == 13  # every prompt of `accelerate config` for multi-CPU
+    written = load_config_from_file(
+        str(notebook_run_dir / "accelerate_configs" / "accelerate_config_node0.yaml")
+    )
+    assert (written.num_processes, written.machine_rank, written.use_cpu) == (2, 0, True)

@@ -1,0 +1,401 @@
+"""PyTorch and OpenVINO inference of a learned concept on the offline tiny pipeline.
+
+Exports are shared (module-scoped): one from a full fine-tuned folder, one from the base model
+with learned embeddings inserted afterwards, and an int8 compression of the latter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from helpers import inference, models
+
+STEPS = 4  # denoising steps in parity runs: enough for guidance to amplify any backend difference
+PROMPT = "a photo of <dicoo> on the beach"
+DUO_PROMPT = "a photo of <duo> in the snow"
+# torch.jit tracing during export warns about every Python branch on shapes: expected, not news
+pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+slow = pytest.mark.slow  # shares the module's OpenVINO exports (~1 min of export, once)
+
+
+# --- shared test data ---------------------------------------------------------------------------
+
+
+def _embeds(path: Path, token: str, rows: int, width: int, seed: int) -> Path:
+    save_file({token: torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))}, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def embeds(tmp_path_factory) -> dict[str, Path]:
+    """Learned-embedding files: legitimate loader inputs made here, before any training."""
+    d = tmp_path_factory.mktemp("embeds")
+    return {
+        "one": _embeds(d / "one.safetensors", "<dicoo>", 1, 32, seed=1),  # tiny text encoder width: 32
+        "two": _embeds(d / "two.safetensors", "<duo>", 2, 32, seed=2),  # a 2-vector concept
+        "wide": _embeds(d / "wide.safetensors", "<wide>", 1, 768, seed=3),  # SD v1.5 width
+        "eos": _embeds(d / "eos.safetensors", "<|endoftext|>", 1, 32, seed=4),  # already in the vocabulary
+    }
+
+
+@pytest.fixture(scope="module")
+def finetuned_dir(tmp_path_factory, embeds) -> Path:
+    """A full fine-tuned pipeline folder (as --save_as_full_pipeline writes), made with stock diffusers."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(models.resolve_model("tiny"), safety_checker=None)
+    pipe.load_textual_inversion(str(embeds["one"]))
+    out = tmp_path_factory.mktemp("finetuned") / "pipeline"
+    pipe.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ov_dirs(tmp_path_factory, finetuned_dir, embeds) -> dict[str, Path]:
+    """Both export routes and an int8 compression of the first (two exports, ~20-40 s each here)."""
+    d = tmp_path_factory.mktemp("openvino")
+    dirs = {
+        "pipeline": inference.export_openvino(finetuned_dir, d / "from_pipeline"),
+        "embeds": inference.export_openvino("tiny", d / "from_embeds", learned_embeds=embeds["two"]),
+    }
+    # int8 from an OpenVINO folder: no re-export, only weight compression (the embedding table too)
+    dirs["int8"] = inference.export_openvino(dirs["pipeline"], d / "int8", weight_format="int8")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def pt_finetuned(finetuned_dir):
+    return inference.load_pytorch_pipeline(finetuned_dir, placeholder_token="<dicoo>")
+
+
+@pytest.fixture(scope="module")
+def pt_duo(embeds):
+    return inference.load_pytorch_pipeline("tiny", learned_embeds=embeds["two"])
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def test_find_concept_picks_the_route(tmp_path, embeds):
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(FileNotFoundError, match="learned_embeds.safetensors does not exist"):
+        inference.find_concept(out, "tiny", "<dicoo>")
+    (out / "learned_embeds.safetensors").write_bytes(embeds["one"].read_bytes())
+    concept = inference.find_concept(out, "tiny", "<dicoo>")
+    assert (concept.route, concept.model, concept.learned_embeds) == (
+        "embeddings",
+        "tiny",
+        str(out / "learned_embeds.safetensors"),
+    )
+    with pytest.raises(FileNotFoundError, match="--save_as_full_pipeline"):
+        inference.find_concept(out, "tiny", "<dicoo>", route="pipeline")
+    (out / "pipeline").mkdir()
+    (out / "pipeline" / "model_index.json").write_text("{}")
+    concept = inference.find_concept(out, "tiny", "<dicoo>")
+    assert (concept.route, concept.model, concept.learned_embeds) == ("pipeline", str(out / "pipeline"), None)
+    with pytest.raises(FileNotFoundError, match="Fix: train first"):
+        inference.find_concept(tmp_path / "missing", "tiny", "<dicoo>")
+
+
+def test_read_learned_embeds_formats(tmp_path, embeds):
+    token, vectors = inference.read_learned_embeds(embeds["two"])
+    assert token == "<duo>" and vectors.shape == (2, 32) and vectors.dtype == torch.float32
+    save_file({"<flat>": torch.ones(32)}, str(tmp_path / "flat.safetensors"))  # legacy 1-D form
+    assert inference.read_learned_embeds(tmp_path / "flat.safetensors")[1].shape == (1, 32)
+    save_file({"<a>": torch.ones(1, 32), "<b>": torch.ones(1, 32)}, str(tmp_path / "two_keys.safetensors"))
+    with pytest.raises(inference.InferenceInputError, match="holds 2 tensors"):
+        inference.read_learned_embeds(tmp_path / "two_keys.safetensors")
+
+
+@pytest.fixture
+def no_export(monkeypatch):
+    """Fail the test if any OpenVINO export or load starts: errors must come first."""
+    from optimum.intel import OVStableDiffusionPipeline
+
+    def started(*args, **kwargs):
+        raise AssertionError("export work started before the input was checked")
+
+    monkeypatch.setattr(OVStableDiffusionPipeline, "from_pretrained", started)
+
+
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("missing_folder", FileNotFoundError, ["does not exist", "Fix:"]),
+        ("missing_embeds", FileNotFoundError, ["learned_embeds", "does not exist", "Fix:"]),
+        ("wrong_width", inference.InferenceInputError, ["width 768", "width 32", "Fix:"]),
+        (
+            "token_in_vocab",
+            inference.InferenceInputError,
+            ["<|endoftext|>", "already in the vocabulary", "Fix:"],
+        ),
+        (
+            "token_in_finetuned",
+            inference.InferenceInputError,
+            ["<dicoo>", "already in the vocabulary", "Fix:"],
+        ),
+        ("token_missing", inference.InferenceInputError, ["'<nope>'", "not in the tokenizer", "Fix:"]),
+        ("weight_format", inference.InferenceInputError, ["weight_format='int4'"]),
+        ("out_dir_exists", FileExistsError, ["already exists", "overwrite=True"]),
+        ("hub_offline", models.HubUnavailableError, ["HF_HUB_OFFLINE", "tiny"]),
+    ],
+)
+def test_bad_inputs_fail_before_export(case, error, words, tmp_path, embeds, finetuned_dir, no_export):
+    out = tmp_path / "out"
+    kwargs = {
+        "missing_folder": dict(source=tmp_path / "run" / "pipeline"),
+        "missing_embeds": dict(source="tiny", learned_embeds=tmp_path / "run" / "learned_embeds.safetensors"),
+        "wrong_width": dict(source="tiny", learned_embeds=embeds["wide"]),
+        "token_in_vocab": dict(source="tiny", learned_embeds=embeds["eos"]),
+        "token_in_finetuned": dict(source=finetuned_dir, learned_embeds=embeds["one"]),
+        "token_missing": dict(source="tiny", placeholder_token="<nope>"),
+        "weight_format": dict(source="tiny", weight_format="int4"),
+        "out_dir_exists": dict(source="tiny"),
+        "hub_offline": dict(source=models.DEFAULT_MODEL),
+    }[case]
+    if case == "out_dir_exists":
+        out.mkdir()
+    with pytest.raises(error) as err:
+        inference.export_openvino(out_dir=out, **kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if case == "out_dir_exists" else [])
+
+
+def test_pytorch_loader_rejects_wrong_width(embeds):
+    with pytest.raises(inference.InferenceInputError, match="width 768"):
+        inference.load_pytorch_pipeline("tiny", learned_embeds=embeds["wide"])
+
+
+# --- PyTorch ------------------------------------------------------------------------------------
+
+
+def test_pytorch_routes_agree_and_load_the_vector(pt_finetuned, embeds):
+    """Base + embeddings and the saved fine-tuned folder give the same text embeddings."""
+    from_embeds = inference.load_pytorch_pipeline("tiny", learned_embeds=embeds["one"])
+    token_id = from_embeds.tokenizer.convert_tokens_to_ids("<dicoo>")
+    _, vector = inference.read_learned_embeds(embeds["one"])
+    for pipe in (from_embeds, pt_finetuned):
+        assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[token_id], vector[0])
+    diff = inference.text_encoder_max_abs_diff(from_embeds, pt_finetuned, PROMPT)
+    assert diff < 1e-6
+    # the concept matters: the prompt with the learned token differs from a plain-word prompt
+    other = inference.text_embeddings(pt_finetuned, "a photo of toy on the beach")
+    assert (inference.text_embeddings(pt_finetuned, PROMPT) - other).abs().max() > 0.05
+
+
+def test_generate_is_deterministic_per_seed(pt_duo):
+    kwargs = dict(num_inference_steps=2, seed=5, warmup=False)
+    a = inference.generate(pt_duo, [DUO_PROMPT, PROMPT.replace("<dicoo>", "a toy")], **kwargs)
+    b = inference.generate(pt_duo, [DUO_PROMPT, PROMPT.replace("<dicoo>", "a toy")], repeats=2, **kwargs)
+    c = inference.generate(pt_duo, [DUO_PROMPT, PROMPT.replace("<dicoo>", "a toy")], **{**kwargs, "seed": 6})
+    assert a.num_images == 2 and len(b.seconds) == 2 and a.images[0].size == (64, 64)
+    assert inference.image_psnr(a.images, b.images) == inference.PSNR_IDENTICAL_DB
+    assert inference.image_psnr(a.images, c.images) < 30
+    assert a.seconds_per_image > 0 and b.seconds_per_image == pytest.approx(np.median(b.seconds) / 2)
+
+
+# --- OpenVINO: both export routes ---------------------------------------------------------------
+
+
+@slow
+def test_export_from_full_pipeline_matches_pytorch(ov_dirs, pt_finetuned):
+    ov = inference.load_openvino_pipeline(ov_dirs["pipeline"])
+    parity = inference.compare(pt_finetuned, ov, PROMPT, num_inference_steps=STEPS)
+    assert parity.text_encoder_max_abs_diff < inference.TEXT_ENCODER_ATOL
+    assert parity.image_psnr > inference.IMAGE_PSNR_MIN_DB
+    assert parity.ok
+    assert inference.export_info(ov_dirs["pipeline"])["weight_format"] == "fp32"
+    assert not list(ov_dirs["pipeline"].parent.glob(".*"))  # no temporary folders left behind
+
+
+@slow
+def test_export_from_base_plus_embeddings_matches_pytorch(ov_dirs, pt_duo):
+    ov = inference.load_openvino_pipeline(ov_dirs["embeds"])
+    assert inference.export_info(ov_dirs["embeds"])["inserted_tokens"] == ["<duo>", "<duo>_1"]
+    assert inference.prompt_ids(ov, DUO_PROMPT).tolist() == inference.prompt_ids(pt_duo, DUO_PROMPT).tolist()
+    parity = inference.compare(pt_duo, ov, DUO_PROMPT, num_inference_steps=STEPS, seed=3)
+    assert parity.text_encoder_max_abs_diff < inference.TEXT_ENCODER_ATOL
+    assert parity.image_psnr > inference.IMAGE_PSNR_MIN_DB
+
+
+def _unet_bytes(d: Path) -> int:
+    return (d / "unet" / "openvino_model.bin").stat().st_size
+
+
+@slow
+def test_int8_weights_are_compressed_and_close(ov_dirs, pt_finetuned):
+    assert _unet_bytes(ov_dirs["int8"]) < 0.5 * _unet_bytes(ov_dirs["pipeline"])
+    q = inference.load_openvino_pipeline(ov_dirs["int8"])
+    parity = inference.compare(pt_finetuned, q, PROMPT, num_inference_steps=STEPS)
+    # reported, loosely bounded: int8 error is real but far below "a different image"
+    assert 0 < parity.text_encoder_max_abs_diff < 0.5
+    assert math.isfinite(parity.image_psnr) and parity.image_psnr > 15
+
+
+@slow
+def test_int8_static_shapes_at_128px(ov_dirs):
+    q = inference.load_openvino_pipeline(ov_dirs["int8"], compile=False)
+    inference.reshape_static(q, batch_size=1, height=128, width=128)
+    assert inference.generate(q, PROMPT, num_inference_steps=2).images[0].size == (128, 128)
+
+
+@slow
+@pytest.mark.xfail(
+    raises=RuntimeError,
+    strict=True,  # when OpenVINO fixes it this fails: then drop the 128 px note in tiny_profile.yaml
+    reason="OpenVINO 2026.4 CPU plugin: an int8 UNet with a 1x1 mid-block fails to compile with static shapes",
+)
+def test_int8_static_shapes_at_64px_upstream_bug(ov_dirs):
+    q = inference.load_openvino_pipeline(ov_dirs["int8"], compile=False)
+    inference.reshape_static(q, batch_size=1, height=64, width=64)
+
+
+@slow
+def test_int8_after_inserted_embeddings_keeps_the_concept(ov_dirs, pt_duo, tmp_path):
+    """Embeddings go in before compression: the learned rows survive int8 (optimum-intel pitfall)."""
+    out = inference.export_openvino(ov_dirs["embeds"], tmp_path / "int8", weight_format="int8")
+    q = inference.load_openvino_pipeline(out)
+    assert inference.text_encoder_max_abs_diff(pt_duo, q, DUO_PROMPT) < 0.5
+    # the learned token still steers the text encoder far more than int8 error does
+    no_concept = inference.text_embeddings(q, "a photo of toy in the snow")
+    assert (inference.text_embeddings(pt_duo, DUO_PROMPT) - no_concept).abs().max() > 1.0
+
+
+@slow
+def test_runtime_load_into_openvino_and_its_guards(ov_dirs, finetuned_dir, embeds):
+    ov = inference.load_openvino_pipeline(ov_dirs["pipeline"])
+    assert inference.load_learned_embeds(ov, embeds["two"]) == ["<duo>", "<duo>_1"]
+    pt = inference.load_pytorch_pipeline(finetuned_dir, learned_embeds=embeds["two"])
+    prompt = "<dicoo> next to <duo>"
+    assert inference.text_encoder_max_abs_diff(pt, ov, prompt) < inference.TEXT_ENCODER_ATOL
+    with pytest.raises(inference.InferenceInputError, match="second load"):
+        inference.load_learned_embeds(ov, embeds["one"], placeholder_token="<again>")
+    q = inference.load_openvino_pipeline(ov_dirs["int8"], compile=False)
+    with pytest.raises(inference.InferenceInputError, match="before compressing"):
+        inference.load_learned_embeds(q, embeds["two"])
+    with pytest.raises(inference.InferenceInputError, match="tokenizes differently"):
+        inference.text_encoder_max_abs_diff(pt, inference.load_pytorch_pipeline("tiny"), prompt)
+
+
+@slow
+def test_static_batch_matches_dynamic(ov_dirs):
+    ov = inference.load_openvino_pipeline(ov_dirs["embeds"])
+    prompts = [DUO_PROMPT, "a <duo> on a table"]
+    dynamic = inference.generate(
+        ov, prompts, num_inference_steps=STEPS, num_images_per_prompt=2, warmup=False
+    )
+    inference.reshape_static(ov, batch_size=2, height=64, width=64, num_images_per_prompt=2)
+    assert (ov.batch_size, ov.height, ov.width, ov.is_dynamic) == (8, 64, 64, False)
+    static = inference.generate(ov, prompts, num_inference_steps=STEPS, num_images_per_prompt=2)
+    assert static.num_images == 4
+    assert inference.image_psnr(dynamic.images, static.images) > inference.IMAGE_PSNR_MIN_DB
+    with pytest.raises(inference.InferenceInputError, match="batch_size=1"):
+        inference.generate(ov, prompts[:1], num_inference_steps=1, num_images_per_prompt=2)
+    with pytest.raises(inference.InferenceInputError, match="static at 64x64"):
+        inference.generate(ov, prompts, num_inference_steps=1, height=128, width=128, num_images_per_prompt=2)
+    with pytest.raises(inference.InferenceInputError, match="multiple of 8"):
+        inference.reshape_static(ov, batch_size=1, height=60, width=64)
+
+
+@slow
+def test_compare_refuses_different_schedulers(ov_dirs, pt_duo):
+    from diffusers import DDIMScheduler
+
+    ov = inference.load_openvino_pipeline(ov_dirs["embeds"])
+    ov.scheduler = DDIMScheduler.from_config(ov.scheduler.config)
+    with pytest.raises(inference.InferenceInputError, match="schedulers differ"):
+        inference.compare(pt_duo, ov, DUO_PROMPT, num_inference_steps=1)
+
+
+# --- metrics and outputs ------------------------------------------------------------------------
+
+
+def test_image_psnr_values():
+    black = [Image.new("RGB", (8, 8), (0, 0, 0))]
+    one = [Image.new("RGB", (8, 8), (1, 1, 1))]
+    assert inference.image_psnr(black, black) == inference.PSNR_IDENTICAL_DB
+    assert inference.image_psnr(black, one) == pytest.approx(
+        20 * math.log10(255), abs=1e-9
+    )  # MSE 1: 48.13 dB
+    assert inference.image_max_abs_diff(black, one) == 1
+    with pytest.raises(ValueError, match="differ in shape"):
+        inference.image_psnr(black, black * 2)
+
+
+def test_save_images_and_timing_rows(tmp_path):
+    paths = inference.save_images([Image.new("RGB", (8, 8))] * 2, tmp_path / "imgs", "pytorch_fp32")
+    assert [p.name for p in paths] == ["pytorch_fp32-00.png", "pytorch_fp32-01.png"]
+    assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == [p.name for p in paths]
+    rows = inference.timing_rows({"pytorch_fp32": 2.0, "openvino_static": 0.5})
+    assert rows[1] == {"variant": "openvino_static", "s/image": 0.5, "speed-up vs pytorch_fp32": "4.00x"}
+    assert rows[0]["speed-up vs pytorch_fp32"] == "1.00x"
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def test_cli_parses_the_three_commands():
+    args = inference.parse_args(["export", "--model", "tiny", "--output_dir", "o", "--weight_format", "int8"])
+    assert (args.command, args.model, args.weight_format, args.overwrite) == ("export", "tiny", "int8", False)
+    args = inference.parse_args(
+        ["generate", "--model", "m", "--prompt", "a", "--prompt", "b", "--output_dir", "o"]
+    )
+    assert (args.prompt, args.num_inference_steps, args.guidance_scale, args.static) == (
+        ["a", "b"],
+        20,
+        7.5,
+        False,
+    )
+    args = inference.parse_args(
+        ["compare", "--model", "m", "--openvino_dir", "ov", "--prompt", "p", "--seed", "3"]
+    )
+    assert (args.openvino_dir, args.seed) == ("ov", 3)
+
+
+def test_cli_input_error_exits_2(tmp_path, capsys):
+    code = inference.cli(["export", "--model", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "o")])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+@slow
+def test_cli_generate_and_compare(ov_dirs, finetuned_dir, tmp_path):
+    common = ["--num_inference_steps", "2", "--resolution", "64"]
+    result = inference.main(inference.parse_args(
+        ["generate", "--model", str(ov_dirs["embeds"]), "--static", "--prompt", DUO_PROMPT,
+         "--output_dir", str(tmp_path / "imgs"), *common]
+    ))  # fmt: skip
+    assert result["seconds_per_image"] > 0 and [Path(p).name for p in result["images"]] == ["image-00.png"]
+    result = inference.main(inference.parse_args(
+        ["compare", "--model", str(finetuned_dir), "--openvino_dir", str(ov_dirs["pipeline"]), "--prompt", PROMPT,
+         *common]
+    ))  # fmt: skip
+    assert result["text_encoder_max_abs_diff"] < inference.TEXT_ENCODER_ATOL
+    assert result["image_psnr"] > inference.IMAGE_PSNR_MIN_DB
+
+
+# --- notebook -----------------------------------------------------------------------------------
+
+
+@pytest.mark.notebooks
+def test_notebook_05_records(notebook_records):
+    records = notebook_records("05_openvino_inference")
+    seconds = records["seconds_per_image"]
+    assert set(seconds) == set(inference.VARIANTS)
+    assert all(v > 0 for v in seconds.values())
+    assert records["text_encoder_max_abs_diff"] < inference.TEXT_ENCODER_ATOL
+    assert records["image_psnr_ov_vs_pt"] > inference.IMAGE_PSNR_MIN_DB
+    assert records["image_psnr_static_vs_pt"] > inference.IMAGE_PSNR_MIN_DB
+    assert math.isfinite(records["image_psnr_int8_vs_pt"])
+    assert records["export_seconds"]["fp32"] > 0
+    assert records["num_images"] == len(records["saved_images"]) // len(inference.VARIANTS)
+    assert all(Path(p).is_file() for p in records["saved_images"])
+    assert json.dumps(records)  # all plain JSON

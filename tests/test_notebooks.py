@@ -1,0 +1,97 @@
+"""Every notebook: committed clean, one parameters cell, runs headless on the tiny profile."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import notebooks
+
+NOTEBOOKS = notebooks.notebook_paths()
+
+
+def test_the_five_workshop_notebooks_exist():
+    assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebook_is_clean(path: Path):
+    nb = json.loads(path.read_text())
+    assert nb["metadata"]["kernelspec"]["name"] == "python3"
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), "outputs committed"
+    tagged = [i for i, c in enumerate(nb["cells"]) if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
+    params = nb["cells"][tagged[0]]
+    assert params["cell_type"] == "code"
+    # literal values only, each annotated and commented, so papermill --help-notebook documents them
+    for stmt in ast.parse("".join(params["source"])).body:
+        assert isinstance(stmt, ast.AnnAssign), ast.unparse(stmt)
+        ast.literal_eval(stmt.value)
+    lines = [ln for ln in "".join(params["source"]).splitlines() if ln.strip()]
+    assert all("  # " in ln for ln in lines), "every parameter has a trailing comment"
+    # the parameters cell comes right after the imports cell
+    assert [c["cell_type"] for c in nb["cells"][: tagged[0]]].count("code") == 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_tiny_profile_only_sets_declared_parameters(path: Path):
+    nb = json.loads(path.read_text())
+    params = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    declared = {s.target.id for s in ast.parse("".join(params["source"])).body}
+    assert set(notebooks.tiny_profile(path)) <= declared
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_on_tiny_profile_and_records(path: Path, notebook_records):
+    records = notebook_records(path.stem)
+    assert records, f"{path.name} recorded nothing"
+
+
+@pytest.mark.notebooks
+def test_notebook_02_records(notebook_records, notebook_run_dir):
+    from safetensors.torch import load_file
+
+    r = notebook_records("02_single_node_finetune")
+    assert r["history_steps"] == 30 and r["final_loss"] > 0 and r["steps_per_second"] > 0
+    assert r["precision"] in ("no", "bf16")
+    embeds = load_file(r["learned_embeds_path"])
+    assert list(embeds) == ["<dicoo>"] and embeds["<dicoo>"].shape == (1, 32)
+    assert Path(r["learned_embeds_path"]).is_relative_to(notebook_run_dir)
+    assert (Path(r["pipeline_dir"]) / "model_index.json").is_file()
+
+
+def test_records_round_trip_through_an_executed_notebook(tmp_path):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(
+        cells=[
+            new_code_cell(
+                "from helpers.notebooks import record\nrecord('x', {'a': [1, 2.5]})\nrecord('x', 3)\nrecord('y', 'ok')"
+            )
+        ],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    )
+    src = tmp_path / "t.ipynb"
+    nbformat.write(nb, src)
+    assert notebooks.run_notebook(src, tmp_path / "out.ipynb") == {"x": 3, "y": "ok"}
+
+
+def test_failing_cell_names_the_cell_and_keeps_no_output(tmp_path):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(
+        cells=[new_code_cell("x = 1"), new_code_cell("raise ValueError('bad input: x')")],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    )
+    src = tmp_path / "t.ipynb"
+    nbformat.write(nb, src)
+    with pytest.raises(notebooks.NotebookError, match=r"t.ipynb: cell 1 raised ValueError: bad input: x"):
+        notebooks.run_notebook(src, tmp_path / "out.ipynb")
+    assert not (tmp_path / "out.ipynb").exists() and (tmp_path / "out.failed.ipynb").exists()

@@ -1,0 +1,364 @@
+"""The textual-inversion engine on the offline tiny pipeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import cpu, data, models
+from helpers import textual_inversion as ti
+from helpers.config import TrainConfig
+
+
+def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
+    values = dict(
+        pretrained_model_name_or_path="tiny",
+        train_data_dir=str(data.sample_concept_dir()),
+        placeholder_token="<dicoo>",
+        initializer_token="toy",
+        resolution=64,
+        max_train_steps=6,
+        learning_rate=5e-3,
+        output_dir=str(tmp_path / name),
+        seed=3,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def components():
+    return models.load_components("tiny")
+
+
+# --- placeholder tokens -------------------------------------------------------------------------
+
+
+def test_placeholder_token_names():
+    assert ti.placeholder_tokens_for("<cat>", 3) == ["<cat>", "<cat>_1", "<cat>_2"]
+    with pytest.raises(ti.TrainingInputError, match="num_vectors=0"):
+        ti.placeholder_tokens_for("<cat>", 0)
+
+
+def test_token_errors_before_heavy_work():
+    tok = models.build_clip_tokenizer()
+    with pytest.raises(ti.TrainingInputError, match="'toy</w>'|already in the tokenizer") as err:
+        ti.check_tokens(tok, "toy</w>", "toy", 1)
+    assert "choose a new token" in str(err.value)
+    with pytest.raises(ti.TrainingInputError, match="is 2 tokens"):
+        ti.check_tokens(tok, "<new>", "teddy bear", 1)
+    assert ti.check_tokens(tok, "<new>", "toy", 2) == 5988
+
+
+def test_add_placeholder_tokens_initialises_rows(components):
+    tok, te = models.build_clip_tokenizer(), models.load_components("tiny").text_encoder
+    ids = ti.add_placeholder_tokens(tok, te, "<x>", "toy", num_vectors=2)
+    assert ids == [49408, 49409] and len(tok) == 49410
+    weight = te.get_input_embeddings().weight
+    assert weight.shape == (49410, 32)
+    assert torch.equal(weight[49408], weight[5988]) and torch.equal(weight[49409], weight[5988])
+    assert tok("a <x> <x>_1 toy", add_special_tokens=False).input_ids == [320, 49408, 49409, 5988]
+
+
+# --- the step ------------------------------------------------------------------------------------
+
+
+def _fixed_batch(tok, ids, steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = ["a photo of a <x>", "a rendering of the <x>"]
+    input_ids = tok(prompts, padding="max_length", max_length=77, return_tensors="pt").input_ids
+    return [
+        (
+            input_ids,
+            torch.randn(2, 4, 8, 8, generator=gen),
+            torch.randn(2, 4, 8, 8, generator=gen),
+            torch.randint(0, 1000, (2,), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+def test_only_new_rows_train_and_match_full_matrix_with_restore():
+    """Ours (only the new row is a parameter) equals the reference: whole matrix in AdamW,
+    every other row restored after each step, weight decay 0."""
+    steps = 5
+    base = models.load_components("tiny")
+    tok = models.build_clip_tokenizer()
+    ids = ti.add_placeholder_tokens(tok, base.text_encoder, "<x>", "toy")
+    batches = _fixed_batch(tok, ids, steps)
+    ref_te = models.load_components("tiny").text_encoder
+    ref_te.resize_token_embeddings(len(tok))
+    ref_te.load_state_dict(base.text_encoder.state_dict())
+    frozen_before = base.text_encoder.get_input_embeddings().weight.detach().clone()
+
+    # reference: full matrix trainable, restore all but the new row
+    ref_te.requires_grad_(False)
+    emb = ref_te.get_input_embeddings().weight
+    emb.requires_grad_(True)
+    opt = torch.optim.AdamW([emb], lr=1e-2, weight_decay=0.0)
+    keep = torch.ones(len(tok), dtype=torch.bool)
+    keep[ids] = False
+    original = emb.detach().clone()
+    base.unet.requires_grad_(False)
+    for input_ids, latents, noise, t in batches:
+        loss = ti.diffusion_loss(base.unet, ref_te, base.noise_scheduler, input_ids, latents, noise, t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            emb[keep] = original[keep]
+
+    # ours
+    te = base.text_encoder
+    te.requires_grad_(False)
+    learned = ti.LearnedEmbeddings(te.get_input_embeddings().weight[ids], ids)
+    hook = ti._EmbeddingHook(te, learned)
+    opt = torch.optim.AdamW(learned.parameters(), lr=1e-2, weight_decay=0.0)
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == 32
+    for input_ids, latents, noise, t in batches:
+        loss = ti.diffusion_loss(base.unet, te, base.noise_scheduler, input_ids, latents, noise, t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    hook.remove()
+
+    moved = (learned.vectors.detach() - original[ids]).abs().max().item()
+    assert moved > 1e-3  # it trained
+    torch.testing.assert_close(learned.vectors.detach(), emb.detach()[ids], rtol=1e-5, atol=1e-6)
+    # the frozen matrix was never touched
+    assert torch.equal(te.get_input_embeddings().weight, frozen_before)
+
+
+def test_cached_latents_equal_encoding_each_view(components):
+    tok = models.build_clip_tokenizer()
+    ds = data.ConceptDataset(data.sample_concept_dir(), tok, "<x>", size=64, repeats=1)
+    mean, std = ti.cache_latents(components.vae, ds, batch_size=3)
+    assert mean.shape == (ds.num_views, 4, 8, 8) == std.shape
+    with torch.no_grad():
+        for v in (0, 1, ds.num_views - 1):
+            dist = components.vae.encode(ds.view_pixels(v)[None]).latent_dist
+            torch.testing.assert_close(mean[v], dist.mean[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(std[v], dist.std[0], rtol=1e-5, atol=1e-5)
+    # flipped views are really different pixels, hence different latents
+    assert not torch.allclose(mean[0], mean[1])
+
+
+def test_sample_draws_are_keyed_not_stateful():
+    m, s = torch.zeros(4, 8, 8), torch.ones(4, 8, 8)
+    a = ti.draw_sample_noise(m, s, 1000, ti.sample_generator(1, 0, 5))
+    torch.randn(100)  # unrelated global RNG use changes nothing
+    b = ti.draw_sample_noise(m, s, 1000, ti.sample_generator(1, 0, 5))
+    c = ti.draw_sample_noise(m, s, 1000, ti.sample_generator(1, 0, 6))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not torch.equal(a[1], c[1])
+
+
+def test_gradient_guard_catches_a_dead_gradient():
+    vec = torch.nn.Parameter(torch.zeros(1, 4))
+    with pytest.raises(RuntimeError, match="did not reach the placeholder"):
+        ti._check_gradient_reaches(vec)
+    vec.grad = torch.zeros(1, 4)
+    with pytest.raises(RuntimeError, match="use_ipex"):
+        ti._check_gradient_reaches(vec)
+
+
+# --- precision --------------------------------------------------------------------------------
+
+
+def test_precision_follows_the_cpu():
+    amx = frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"})
+    avx2 = frozenset({"avx2", "fma"})
+    assert cpu.choose_precision("auto", amx).mixed_precision == "bf16"
+    auto = cpu.choose_precision("auto", avx2)
+    assert auto.mixed_precision == "no" and "no native bf16" in auto.reason and auto.warning is None
+    forced = cpu.choose_precision("bf16", avx2)
+    assert forced.mixed_precision == "bf16" and "100-150x slower" in forced.warning
+    assert cpu.choose_precision("bf16", frozenset({"avx512_bf16"})).warning is None
+    assert cpu.choose_precision("no", amx).mixed_precision == "no"
+
+
+def test_cpu_report_describes_this_machine():
+    rep = cpu.report()
+    assert rep.physical_cores >= 1 and set(rep.isa_flags) == set(cpu.ISA_FLAGS)
+    assert rep.native_bf16 == cpu.has_native_bf16()
+    assert rep.precision == ("bf16" if rep.native_bf16 else "no")
+
+
+@pytest.mark.skipif(
+    not cpu.ipex_available(), reason="intel_extension_for_pytorch is not installed (needs torch 2.8)"
+)
+def test_ipex_keeps_the_placeholder_gradient(tmp_path):
+    result = ti.train(tiny_config(tmp_path, max_train_steps=2, use_ipex=True))
+    assert result.history[-1]["loss"] > 0  # the engine's gradient guard raised otherwise
+
+
+# --- whole runs -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_vector_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ti")
+    cfg = tiny_config(
+        tmp,
+        num_vectors=2,
+        save_as_full_pipeline=True,
+        checkpointing_steps=2,
+        checkpoints_total_limit=2,
+        save_steps=3,
+        validation_prompt="a photo of <dicoo>",
+        validation_steps=3,
+        num_validation_images=2,
+    )
+    return cfg, ti.train(cfg)
+
+
+def test_run_outputs(two_vector_run):
+    cfg, result = two_vector_run
+    out = result.output_dir
+    assert result.placeholder_tokens == ["<dicoo>", "<dicoo>_1"]
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((out / "history.json").read_text()) == result.history
+    assert all(h["loss"] > 0 and h["seconds"] > 0 and h["lr"] == pytest.approx(5e-3) for h in result.history)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert (out / "learned_embeds-steps-3.safetensors").is_file() and (
+        out / "learned_embeds-steps-6.safetensors"
+    ).is_file()
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["final", "step-3", "step-6"]
+    assert sorted(p.name for p in (out / "samples" / "final").iterdir()) == ["00.png", "01.png"]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 6 and summary["trainable_parameters"] == 64
+    assert summary["full_matrix_allreduce_bytes_per_step"] == 49410 * 32 * 4
+    assert not list(out.rglob(".*.tmp"))  # nothing half-written left behind
+
+
+def test_learned_embeds_load_in_stock_diffusers(two_vector_run):
+    from diffusers import StableDiffusionPipeline
+
+    cfg, result = two_vector_run
+    saved = load_file(result.learned_embeds_path)
+    assert list(saved) == ["<dicoo>"] and saved["<dicoo>"].shape == (2, 32)
+    pipe = StableDiffusionPipeline.from_pretrained(models.resolve_model("tiny"))
+    pipe.load_textual_inversion(str(result.learned_embeds_path))
+    ids = pipe.tokenizer.convert_tokens_to_ids(["<dicoo>", "<dicoo>_1"])
+    assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[ids], saved["<dicoo>"])
+    init = pipe.text_encoder.get_input_embeddings().weight[5988]
+    assert (saved["<dicoo>"] - init).abs().max() > 1e-4  # trained away from "toy"
+
+
+def test_full_pipeline_differs_from_base_only_in_new_rows(two_vector_run):
+    from diffusers import StableDiffusionPipeline
+
+    cfg, result = two_vector_run
+    tuned = StableDiffusionPipeline.from_pretrained(result.pipeline_dir)
+    base = models.load_components("tiny")
+    new_w = tuned.text_encoder.get_input_embeddings().weight
+    old_w = base.text_encoder.get_input_embeddings().weight
+    assert new_w.shape == (49410, 32)
+    assert torch.equal(new_w[:49408], old_w)
+    assert torch.equal(new_w[49408:], load_file(result.learned_embeds_path)["<dicoo>"])
+    others_new = {k: v for k, v in tuned.text_encoder.state_dict().items() if "token_embedding" not in k}
+    others_old = base.text_encoder.state_dict()
+    assert all(torch.equal(v, others_old[k]) for k, v in others_new.items())
+    assert all(torch.equal(v, base.unet.state_dict()[k]) for k, v in tuned.unet.state_dict().items())
+    assert tuned.tokenizer("<dicoo> <dicoo>_1", add_special_tokens=False).input_ids == [49408, 49409]
+    image = tuned("a photo of <dicoo>", num_inference_steps=2).images[0]
+    assert image.size == (64, 64)
+
+
+def test_resume_equals_uninterrupted(two_vector_run, tmp_path):
+    cfg, result = two_vector_run
+    # A run killed after step 4 restarts from its checkpoint in a fresh process state.
+    resumed_cfg = TrainConfig(
+        **{
+            **cfg.to_dict(),
+            "output_dir": str(tmp_path / "resumed"),
+            "resume_from_checkpoint": str(result.output_dir / "checkpoints" / "checkpoint-4"),
+            "validation_prompt": None,
+            "save_as_full_pipeline": False,
+        }
+    )
+    resumed = ti.train(resumed_cfg)
+    assert [h["step"] for h in resumed.history] == [5, 6]
+    assert torch.equal(
+        load_file(resumed.learned_embeds_path)["<dicoo>"], load_file(result.learned_embeds_path)["<dicoo>"]
+    )
+    assert resumed.history[-1]["loss"] == pytest.approx(result.history[-1]["loss"], rel=1e-6)
+
+
+def test_finished_run_is_not_overwritten(two_vector_run):
+    cfg, result = two_vector_run
+    before = result.learned_embeds_path.read_bytes()
+    with pytest.raises(ti.TrainingInputError, match="already holds a finished run"):
+        ti.train(cfg)
+    assert result.learned_embeds_path.read_bytes() == before
+
+
+def test_bad_inputs_fail_before_loading_weights(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(models, "load_components", boom)
+    with pytest.raises(data.ImageFolderError):
+        ti.train(tiny_config(tmp_path, train_data_dir=str(tmp_path / "missing")))
+    with pytest.raises(data.ImageFolderError, match="too small: 160x160"):
+        ti.train(tiny_config(tmp_path, resolution=512))
+    with pytest.raises(ti.TrainingInputError, match="already in the tokenizer"):
+        ti.train(tiny_config(tmp_path, placeholder_token="toy"))
+    with pytest.raises(ti.TrainingInputError, match="no checkpoint"):
+        ti.train(tiny_config(tmp_path, resume_from_checkpoint="latest"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_cli_command_from_the_issue(tmp_path):
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "helpers.train",
+        "--pretrained_model_name_or_path",
+        "tiny",
+        "--train_data_dir",
+        str(data.sample_concept_dir()),
+        "--placeholder_token",
+        "<dicoo>",
+        "--initializer_token",
+        "toy",
+        "--resolution",
+        "64",
+        "--max_train_steps",
+        "30",
+        "--save_as_full_pipeline",
+        "--output_dir",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["steps"] == 30 and (out / "pipeline" / "model_index.json").is_file()
+    bad = subprocess.run(
+        cmd[:-2] + ["--output_dir", str(tmp_path / "x"), "--resolution", "63"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "resolution=63" in bad.stderr
+
+
+def test_threads_default_shares_the_cores_of_a_node(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert cpu.set_threads() == 1 == torch.get_num_threads()
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpu.physical_cores() * 4))
+        assert cpu.set_threads() == 1  # never below one thread
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert cpu.set_threads() == cpu.physical_cores()
+    finally:
+        torch.set_num_threads(before)
