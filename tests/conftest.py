@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,26 @@ import pytest
 # Tests never reach the network: the Hub is offline here and az must not phone home.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("AZURE_CORE_COLLECT_TELEMETRY", "false")
+
+FAKE_SSH = """#!/bin/sh
+# Stand-in for ssh: drop the options, note the host, run the remote command on this machine.
+while [ $# -gt 0 ]; do case "$1" in -o|-p|-l|-i|-F) shift 2;; -*) shift;; *) break;; esac; done
+host=$1; shift
+echo "$host" >> "$(dirname "$0")/ssh_hosts.log"
+# Each real host has its own /tmp; sharing one makes Open MPI's daemons race for a session folder.
+export TMPDIR="$(dirname "$0")/tmp-$host"; mkdir -p "$TMPDIR"
+FAKE_HOST=$host exec sh -c "$*"
+"""
+
+
+@pytest.fixture
+def fake_ssh(tmp_path) -> Path:
+    """An ssh program that runs the remote command here, with ``$FAKE_HOST`` set to the host it
+    was asked for; every host contacted is appended to ``ssh_hosts.log`` next to it."""
+    path = tmp_path / "fake_ssh"
+    path.write_text(FAKE_SSH)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import socket
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -37,13 +36,6 @@ SSH_OVERRIDE = {
     d.MpiFlavour.MPICH: lambda ssh: {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": ssh},
     d.MpiFlavour.OPENMPI: lambda ssh: {"OMPI_MCA_plm_rsh_agent": ssh},
 }
-FAKE_SSH = """#!/bin/sh
-# Stand-in for ssh: drop the options, note the host, run the remote command on this machine.
-while [ $# -gt 0 ]; do case "$1" in -o|-p|-l|-i|-F) shift 2;; -*) shift;; *) break;; esac; done
-host=$1; shift
-echo "$host" >> "$(dirname "$0")/ssh_hosts.log"
-FAKE_HOST=$host exec sh -c "$*"
-"""
 
 
 def mpirun_for(flavour: d.MpiFlavour) -> str:
@@ -51,14 +43,6 @@ def mpirun_for(flavour: d.MpiFlavour) -> str:
     if not path.exists():
         pytest.skip(f"{flavour.value} is not installed here: {INSTALL[flavour]}")
     return str(path)
-
-
-@pytest.fixture
-def fake_ssh(tmp_path) -> Path:
-    path = tmp_path / "fake_ssh"
-    path.write_text(FAKE_SSH)
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return path
 
 
 # --- layout and hostfiles ------------------------------------------------------------------------
@@ -342,15 +326,6 @@ def test_four_nodes_by_four_processes_run_as_planned(tmp_path, fake_ssh, flavour
     env = dict(os.environ, **cmd.env, **SSH_OVERRIDE[flavour](str(fake_ssh)))
     env["PATH"] = f"{Path(mpirun).parent}{os.pathsep}{env['PATH']}"
     out = subprocess.run(cmd.argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-    for _ in range(2):
-        if (
-            flavour is not d.MpiFlavour.OPENMPI
-            or "unable to complete a TCP connection" not in out.stdout + out.stderr
-        ):
-            break
-        # Four Open MPI daemons on one sandboxed VM sometimes fail to connect to each other
-        # (about 1 run in 5 here); that is the sandbox, not the command: run it again.
-        out = subprocess.run(cmd.argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     tagged = {}
     pattern = r"\[(\d+)\] " if flavour.hydra else r"\[\d+,(\d+)\]<stdout>:"
