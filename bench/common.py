@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
+from helpers.files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -153,12 +154,7 @@ def summarize(seconds: list[float]) -> dict[str, float]:
 
 def write_json(path: str | os.PathLike, value: Any) -> Path:
     """Write JSON atomically (temporary name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
 
 
 def machine() -> dict[str, Any]:

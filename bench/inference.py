@@ -1,11 +1,12 @@
-"""Seconds per image: PyTorch fp32 against OpenVINO dynamic, static and static int8, side by side.
+"""Seconds per image: PyTorch fp32 against OpenVINO dynamic, static, static int8 (and static bf16
+where the CPU has native bf16), side by side.
 
     python -m bench.inference --model tiny
     python -m bench.inference --model sd15-shape --resolution 512 --steps 20
 
 One process, one prompt with a learned token (random vectors inserted the way a trained concept
 is), the same steps, size and initial latents for every variant. After one untimed warm-up call
-per variant, ``--repeats`` rounds run the four variants in turn (alternating the order, so drift
+per variant, ``--repeats`` rounds run the variants in turn (alternating the order, so drift
 of the machine affects all alike). Prints the median seconds per image, the speed-up over
 PyTorch, PSNR against PyTorch, export times and model sizes; writes them as JSON.
 """
@@ -25,9 +26,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from helpers import cpu, inference, models
+from bench import common
+from helpers import cpu, inference
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "<bench>"
 PROMPT = f"a photo of {TOKEN} on a beach"
 
@@ -42,17 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=20, help="denoising steps per image")
     parser.add_argument("--batch", type=int, default=1, help="prompts per call (static batch)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds over the four variants")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds over the variants")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
     parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
     args = parser.parse_args(argv)
     if args.resolution is None:  # tiny: 128 px, as 64 px hits the int8 static-shape bug (see inference.py)
         args.resolution = 128 if args.model == "tiny" else 512
     return args
-
-
-def _model_dir(name: str) -> Path:
-    return models.sd15_shape_pipeline_dir() if name == "sd15-shape" else models.resolve_model(name)
 
 
 def _timed(fn, *args, **kwargs) -> tuple[Any, float]:
@@ -62,9 +59,9 @@ def _timed(fn, *args, **kwargs) -> tuple[Any, float]:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    """Export, load the four variants, time them round-robin; return (and write) the results."""
+    """Export, load the variants, time them round-robin; return (and write) the results."""
     threads = cpu.set_threads(args.threads)
-    model = _model_dir(args.model)
+    model = common.model_dir(args.model)
     width = json.loads((model / "text_encoder" / "config.json").read_text())["hidden_size"]
     prompts, size = [PROMPT] * args.batch, dict(height=args.resolution, width=args.resolution)
     with tempfile.TemporaryDirectory(prefix="bench-inference-") as work:
@@ -85,6 +82,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 inference.load_openvino_pipeline(int8, compile=False), args.batch, **size
             ),
         }
+        if inference.openvino_default_precision() == "bf16":
+            pipes[inference.BF16_VARIANT] = inference.reshape_static(
+                inference.load_openvino_pipeline(fp32, compile=False, precision="bf16"), args.batch, **size
+            )
         megabytes = {"fp32": inference.disk_megabytes(fp32), "int8": inference.disk_megabytes(int8)}
         names, seconds, images = list(pipes), {name: [] for name in pipes}, {}
         for round_ in range(args.repeats + 1):  # round 0 is the warm-up
@@ -114,11 +115,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "export_seconds": {"fp32": fp32_s, "int8_from_fp32": int8_s},
         "model_megabytes": megabytes,
     }
-    out = Path(args.out) if args.out else RESULTS / f"inference-{args.model}-{args.resolution}px.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    common.write_json(args.out or common.RESULTS / f"inference-{args.model}-{args.resolution}px.json", result)
     return result
 
 
