@@ -122,10 +122,10 @@ def peak_rss_since_reset_mib() -> float:
     return _vm_hwm_mib()
 
 
-def gemm_gflops(n: int = 2048, repeats: int = 6) -> float:
-    """This machine's fp32 matrix-multiply speed (GFLOP/s) at the current thread setting: best of ``repeats``."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
+def gemm_gflops(n: int = 2048, repeats: int = 6, dtype: torch.dtype = torch.float32) -> float:
+    """This machine's matrix-multiply speed (GFLOP/s) in ``dtype`` at the current thread setting: best of ``repeats``."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
     torch.mm(a, b, out=out)
     best = float("inf")
     for _ in range(repeats):
@@ -193,6 +193,11 @@ class Setup:
     order: list[int] = field(default_factory=list)
     rank: int = 0
     world_size: int = 1
+    mixed_precision: str = "no"
+
+    def autocast(self) -> torch.autocast:
+        """The forward pass's autocast, as accelerate sets it for ``mixed_precision`` on a CPU."""
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mixed_precision == "bf16")
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """This rank's items of one step (the same for both modes), collated."""
@@ -206,8 +211,13 @@ class Setup:
         }
 
 
-def make_setup(model: str, resolution: int, batch_size: int, workdir: str | os.PathLike) -> Setup:
-    """Load the components, add the placeholder token, freeze everything, build the dataset."""
+def make_setup(
+    model: str, resolution: int, batch_size: int, workdir: str | os.PathLike, mixed_precision: str = "no"
+) -> Setup:
+    """Load the components, add the placeholder token, freeze everything, build the dataset.
+
+    ``mixed_precision`` ("no" or "bf16") is the engine's option: both steps run their forward pass
+    under the matching autocast."""
     parts = models.load_components(model_dir(model))
     token_ids = ti.add_placeholder_tokens(parts.tokenizer, parts.text_encoder, PLACEHOLDER, INITIALIZER)
     for module in (parts.text_encoder, parts.vae, parts.unet):
@@ -222,7 +232,7 @@ def make_setup(model: str, resolution: int, batch_size: int, workdir: str | os.P
         seed=SEED,
     )
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED)).tolist()
-    return Setup(parts, token_ids, dataset, batch_size, order)
+    return Setup(parts, token_ids, dataset, batch_size, order, mixed_precision=mixed_precision)
 
 
 class PhaseTimer:
@@ -314,15 +324,16 @@ class OursStep:
             SEED,
             0,
         )
-        loss = ti.diffusion_loss(
-            self.unet,
-            parts.text_encoder,
-            parts.noise_scheduler,
-            batch["input_ids"],
-            latents * parts.vae.config.scaling_factor,
-            noise,
-            timesteps,
-        )
+        with self.setup.autocast():
+            loss = ti.diffusion_loss(
+                self.unet,
+                parts.text_encoder,
+                parts.noise_scheduler,
+                batch["input_ids"],
+                latents * parts.vae.config.scaling_factor,
+                noise,
+                timesteps,
+            )
         timer.mark("backward_start")
         loss.backward()
         timer.mark("backward_end")
@@ -362,13 +373,14 @@ class ReferenceStep:
         timer = timer or _NullTimer()
         timer.start()
         pixels = torch.stack([self.setup.dataset.view_pixels(int(v)) for v in batch["view_index"]])
-        latents = vae.encode(pixels).latent_dist.sample().detach() * vae.config.scaling_factor
-        noise = torch.randn_like(latents)
-        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],))
-        noisy = scheduler.add_noise(latents, noise, timesteps)
-        hidden = self.text_encoder(batch["input_ids"])[0]
-        pred = self.unet(noisy, timesteps, hidden).sample
-        loss = F.mse_loss(pred.float(), noise.float(), reduction="mean")
+        with self.setup.autocast():
+            latents = vae.encode(pixels).latent_dist.sample().detach() * vae.config.scaling_factor
+            noise = torch.randn_like(latents)
+            timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],))
+            noisy = scheduler.add_noise(latents, noise, timesteps)
+            hidden = self.text_encoder(batch["input_ids"])[0]
+            pred = self.unet(noisy, timesteps, hidden).sample
+            loss = F.mse_loss(pred.float(), noise.float(), reduction="mean")
         timer.mark("backward_start")
         loss.backward()
         timer.mark("backward_end")
@@ -419,6 +431,7 @@ def run_engine(
     steps: int,
     workdir: str | os.PathLike,
     malloc_tuning: bool = True,
+    mixed_precision: str = "no",
     **overrides: Any,
 ) -> dict[str, float]:
     """Run the real engine, ``train(config)``, for ``steps`` steps; its speed and memory.
@@ -441,7 +454,7 @@ def run_engine(
         train_batch_size=batch_size,
         max_train_steps=steps,
         learning_rate=LEARNING_RATE,
-        mixed_precision="no",
+        mixed_precision=mixed_precision,
         save_steps=steps + 1,
         checkpointing_steps=steps + 1,
         output_dir=str(Path(workdir) / "out"),

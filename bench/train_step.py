@@ -23,6 +23,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench import common
 from helpers import cpu
 
@@ -48,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
+    parser.add_argument(
+        "--mixed_precision",
+        choices=("no", "bf16"),
+        default="no",
+        help="the engine's option, for both modes (bf16: autocast; fast only with native bf16)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS child processes")
     parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
     parser.add_argument("--child", choices=("ours", "reference"), help=argparse.SUPPRESS)
@@ -63,7 +71,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.child:
         return _child(args)
     with common.scratch_dir() as work, ExitStack() as stack:
-        setup = common.make_setup(args.model, args.resolution, args.batch, work)
+        setup = common.make_setup(args.model, args.resolution, args.batch, work, args.mixed_precision)
         ours, ref = common.OursStep(setup), common.ReferenceStep(setup)
         stack.enter_context(cpu.keep_freed_memory())  # as the engine's loop does, for both modes
         modes = {"ours": ours, "reference": ref}
@@ -85,17 +93,19 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         for name, mode in modes.items():
             with mode.active():
                 flops[name] = common.count_flops(lambda m=mode: m(0))
-        gemm = [common.gemm_gflops()]
+        dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+        gemm = [common.gemm_gflops(dtype=dtype)]
         results = common.run_interleaved(
             {name: timed(mode) for name, mode in modes.items()},
             args.steps,
             warmup=0,
-            between=lambda: gemm.append(common.gemm_gflops()),
+            between=lambda: gemm.append(common.gemm_gflops(dtype=dtype)),
         )
         timer.remove()
     memory = {} if args.no_memory else {name: _run_child(args, name, threads) for name in modes}
     report = _report(args, threads, flops, max(gemm), results, memory)
-    out = Path(args.out) if args.out else common.RESULTS / f"train_step-{args.model}-{args.resolution}px.json"
+    suffix = "-bf16" if args.mixed_precision == "bf16" else ""
+    out = Path(args.out or common.RESULTS / f"train_step-{args.model}-{args.resolution}px{suffix}.json")
     common.write_json(out, report)
     print(format_report(report))
     print(f"wrote {out}")
@@ -123,6 +133,7 @@ def _report(args, threads, flops, gemm_peak, results, memory) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "threads": threads,
+        "mixed_precision": args.mixed_precision,
         "machine": common.machine(),
         "gemm_peak_gflops": gemm_peak,
         "flop_bound_seconds": bound,
@@ -142,6 +153,7 @@ def format_report(r: dict[str, Any]) -> str:
     ours, ref = r["modes"]["ours"], r["modes"]["reference"]
     lines = [
         f"{r['model']} {r['resolution']} px, batch {r['batch']}, {r['threads']} threads, "
+        f"mixed precision {r.get('mixed_precision', 'no')}, "
         f"{r['steps']} steps/mode after {r['warmup']} warm-up (load {r['machine']['load_average'][0]:.2f})",
         f"{'':28}{'ours':>12}{'reference':>12}",
     ]
@@ -165,7 +177,8 @@ def format_report(r: dict[str, Any]) -> str:
         row(f"  {phase}", ours["breakdown"][phase], ref["breakdown"][phase])
     lines.append(f"speed-up (reference / ours): {r['speedup']:.2f}x")
     lines.append(
-        f"FLOP bound {r['flop_bound_seconds']:.3f} s/step at {r['gemm_peak_gflops']:.0f} GFLOP/s GEMM peak: "
+        f"FLOP bound {r['flop_bound_seconds']:.3f} s/step at {r['gemm_peak_gflops']:.0f} GFLOP/s "
+        f"{'bf16' if r.get('mixed_precision') == 'bf16' else 'fp32'} GEMM peak: "
         f"ours at {100 * r['fraction_of_flop_bound']:.0f} %, reference at "
         f"{100 * r['reference_fraction_of_flop_bound']:.0f} %"
     )
@@ -183,6 +196,7 @@ def _run_child(args: argparse.Namespace, mode: str, threads: int) -> dict[str, f
     cmd = [sys.executable, "-m", "bench.train_step", "--child", mode, "--model", args.model]
     cmd += ["--resolution", str(args.resolution), "--batch", str(args.batch), "--threads", str(threads)]
     cmd += ["--steps", str(min(args.steps, 2)), "--warmup", str(args.warmup)]
+    cmd += ["--mixed_precision", args.mixed_precision]
     proc = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"memory child {mode} failed:\n{proc.stderr[-3000:]}")
@@ -198,9 +212,11 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="bench-child-") as work:
         if args.child == "ours":
-            out = common.run_engine(args.model, args.resolution, args.batch, steps, work)
+            out = common.run_engine(
+                args.model, args.resolution, args.batch, steps, work, mixed_precision=args.mixed_precision
+            )
         else:
-            setup = common.make_setup(args.model, args.resolution, args.batch, work)
+            setup = common.make_setup(args.model, args.resolution, args.batch, work, args.mixed_precision)
             ref = common.ReferenceStep(setup)
             timer = common.PhaseTimer(setup.parts.text_encoder, ref.unet)
             totals = []

@@ -107,6 +107,23 @@ def test_train_step_benchmark_on_tiny(tmp_path):
     assert "speed-up (reference / ours)" in train_step.format_report(report)
 
 
+def test_bf16_runs_both_modes_forward_under_autocast(tmp_path):
+    """``--mixed_precision bf16``: the UNet computes in bf16 in both modes (as accelerate's autocast
+    makes the engine do), the loss and the learned rows stay fp32, the bound uses the bf16 GEMM peak."""
+    out = tmp_path / "r.json"
+    args = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--no-memory", "--out", str(out)]
+    report = train_step.main(train_step.parse_args([*args, "--mixed_precision", "bf16"]))
+    assert report["mixed_precision"] == "bf16" and "bf16 GEMM peak" in train_step.format_report(report)
+    setup = common.make_setup("tiny", 64, 1, tmp_path / "setup", mixed_precision="bf16")
+    dtypes = []
+    setup.parts.unet.register_forward_hook(lambda m, a, o: dtypes.append(o.sample.dtype))
+    for step in (common.OursStep(setup), common.ReferenceStep(setup)):
+        with step.active():
+            assert isinstance(step(0), float)
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+    assert common.OursStep(setup).learned.vectors.dtype == torch.float32
+
+
 @pytest.mark.slow
 def test_allreduce_benchmark_on_tiny(tmp_path):
     report = allreduce.main(
