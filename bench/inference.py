@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -104,8 +103,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "repeats": args.repeats,
         "torch_threads": threads,
-        "cpu": cpu.report().model_name,
-        "load_average": os.getloadavg(),
+        "machine": common.machine(),
         "seconds_per_image": median,
         "seconds_per_image_all": seconds,
         "speedup_vs_pytorch": {name: median["pytorch_fp32"] / value for name, value in median.items()},
@@ -123,7 +121,8 @@ def report(result: dict[str, Any]) -> str:
     """The results as the lines this benchmark prints."""
     lines = [
         f"{result['model']} {result['resolution']} px, {result['steps']} steps, batch {result['batch']}, "
-        f"median of {result['repeats']} (torch threads {result['torch_threads']}, load {result['load_average'][0]:.1f})",
+        f"median of {result['repeats']} (torch threads {result['torch_threads']}, "
+        f"load {result['machine']['load_average'][0]:.1f})",
         f"{'variant':<22}{'s/image':>10}{'x PyTorch':>11}{'PSNR dB':>9}",
     ]
     for name, value in result["seconds_per_image"].items():

@@ -1,6 +1,9 @@
 """Turn the JSON results under ``bench/results/`` into the markdown tables of the README.
 
-python -m bench.report            # writes bench/results/README_table.md
+python -m bench.report     # writes bench/results/README_table.md and the README's Performance tables
+
+The README's tables sit between the markers ``<!-- bench:begin -->`` and ``<!-- bench:end -->``;
+everything outside them is left as it is.
 """
 
 from __future__ import annotations
@@ -11,6 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from helpers.files import write_text_atomic
+
+README = common.ROOT / "README.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+VARIANT_LABELS = {
+    "pytorch_fp32": "PyTorch fp32",
+    "openvino_dynamic": "OpenVINO dynamic",
+    "openvino_static": "OpenVINO static",
+    "openvino_static_int8": "OpenVINO static, int8 weights",
+    "openvino_static_bf16": "OpenVINO static, bf16 (the CPU's default)",
+}
 
 OPTION_NOTES = {
     "channels_last": "UNet weights and activations in NHWC",
@@ -26,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default=str(common.RESULTS), help="folder of result JSON files")
     parser.add_argument("--out", default=None, help="markdown file (default RESULTS/README_table.md)")
+    parser.add_argument("--readme", default=str(README), help="README whose tables to replace ('' for none)")
     return parser.parse_args(argv)
 
 
@@ -33,12 +48,35 @@ def main(args: argparse.Namespace) -> str:
     results = Path(args.results)
     loaded = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
     text = render(loaded)
-    out = Path(args.out) if args.out else results / "README_table.md"
-    tmp = out.with_name(f"{out.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    write_text_atomic(args.out or results / "README_table.md", text)
+    if args.readme:
+        write_text_atomic(args.readme, replace_block(Path(args.readme).read_text(), text))
     print(text)
     return text
+
+
+def replace_block(readme: str, tables: str) -> str:
+    """``readme`` with the text between the bench markers replaced by ``tables``.
+
+    Raises:
+        ValueError: the markers are missing or out of order (nothing is written then).
+    """
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README needs the lines {BEGIN} and {END} (in that order) around its tables")
+    return readme[: start + len(BEGIN)] + "\n" + tables + readme[end:]
+
+
+def describe_machine(m: dict[str, Any]) -> str:
+    """One line: CPU, cores, instruction sets, memory and library versions of a result."""
+    return (
+        f"{m['cpu']}, {m['physical_cores']} cores ({', '.join(m['isa'])}), {m['ram_gib']} GiB; "
+        f"torch {m['torch']}, diffusers {m['diffusers']}"
+    )
+
+
+def _precision(r: dict[str, Any]) -> str:
+    return "bf16 autocast" if r.get("mixed_precision") == "bf16" else "fp32"
 
 
 def _gib(mib: float) -> str:
@@ -50,17 +88,17 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     steps = [r for k, r in results.items() if k.startswith("train_step-")]
     comms = [r for k, r in results.items() if k.startswith("allreduce-")]
     opts = [r for k, r in results.items() if k.startswith("optimisations-")]
-    out: list[str] = []
+    infer = [r for k, r in results.items() if k.startswith("inference-")]
+    machines = sorted({describe_machine(r["machine"]) for r in results.values() if "machine" in r})
+    out = [f"Measured on: {m}." for m in machines]
     if steps:
-        m = steps[0]["machine"]
         out += [
-            f"Machine: {m['cpu']}, {m['physical_cores']} cores ({', '.join(m['isa'])}), "
-            f"{m['ram_gib']} GiB; torch {m['torch']}, diffusers {m['diffusers']}, fp32. "
-            "Ours and the reference run in the same process, interleaved step by step; medians.",
             "",
-            "| model | px | batch | mode | s/step | images/s | peak RSS (process / training) "
+            "Training: ours and the reference run in the same process, interleaved step by step; medians.",
+            "",
+            "| model | px | batch | precision | mode | s/step | images/s | peak RSS (process / training) "
             "| GFLOP/step | of FLOP bound |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in steps:
             for name in ("ours", "reference"):
@@ -74,24 +112,26 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                     else "-"
                 )
                 out.append(
-                    f"| {r['model']} | {r['resolution']} | {r['batch']} | {name} | "
+                    f"| {r['model']} | {r['resolution']} | {r['batch']} | {_precision(r)} | {name} | "
                     f"{mode['seconds_per_step']['median']:.2f} | {mode['images_per_second']:.3f} | {rss} | "
                     f"{mode['flops_per_step'] / 1e9:.0f} | {100 * frac:.0f} % |"
                 )
             out.append(
-                f"| | | | **ours / reference** | **{r['speedup']:.2f}x faster** | | "
+                f"| | | | | **ours / reference** | **{r['speedup']:.2f}x faster** | | "
                 f"{r.get('rss_ratio', float('nan')):.2f} / {r.get('training_rss_ratio', float('nan')):.2f} | "
                 f"bound {r['flop_bound_seconds']:.2f} s at {r['gemm_peak_gflops']:.0f} GFLOP/s | |"
             )
         out += ["", "Where a step's time goes (seconds, medians):", ""]
         phases = list(steps[0]["modes"]["ours"]["breakdown"])
-        out.append("| model | px | mode | " + " | ".join(p.replace("_", " ") for p in phases) + " |")
-        out.append("|---|---|---|" + "---|" * len(phases))
+        out.append(
+            "| model | px | precision | mode | " + " | ".join(p.replace("_", " ") for p in phases) + " |"
+        )
+        out.append("|---|---|---|---|" + "---|" * len(phases))
         for r in steps:
             for name in ("ours", "reference"):
                 b = r["modes"][name]["breakdown"]
                 out.append(
-                    f"| {r['model']} | {r['resolution']} | {name} | "
+                    f"| {r['model']} | {r['resolution']} | {_precision(r)} | {name} | "
                     + " | ".join(f"{b[p]:.2f}" for p in phases)
                     + " |"
                 )
@@ -141,7 +181,36 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         ]
         for name, o in options.items():
             out.extend(_option_rows(name, o))
+    if infer:
+        out += ["", *_inference_table(infer)]
     return "\n".join(out) + "\n"
+
+
+def _inference_table(results: list[dict[str, Any]]) -> list[str]:
+    """Seconds per image per variant; speed-up over PyTorch and PSNR against it in brackets."""
+    names = [v for v in VARIANT_LABELS if any(v in r["seconds_per_image"] for r in results)]
+    columns = [f"{r['model']}, {r['resolution']} px, {r['steps']} steps, batch {r['batch']}" for r in results]
+    lines = [
+        "Inference, seconds per image (x PyTorch, PSNR against PyTorch); same latents, prompt and "
+        "scheduler for every variant, medians:",
+        "",
+        "| variant | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(results),
+    ]
+    for name in names:
+        cells = []
+        for r in results:
+            if name not in r["seconds_per_image"]:
+                cells.append("-")
+                continue
+            psnr = r["psnr_vs_pytorch_db"][name]
+            cells.append(
+                f"{r['seconds_per_image'][name]:.3g} ({r['speedup_vs_pytorch'][name]:.2f}x, "
+                + ("same" if name == "pytorch_fp32" else f"{psnr:.0f} dB")
+                + ")"
+            )
+        lines.append(f"| {VARIANT_LABELS[name]} | " + " | ".join(cells) + " |")
+    return lines
 
 
 PROCESS_NOTES = {

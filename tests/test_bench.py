@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from bench import allreduce, common, optimisations, train_step
+from bench import allreduce, common, optimisations, report, train_step
 from helpers import data, models
 
 PHASES = set(train_step.PHASES) | {"total"}
@@ -196,3 +198,25 @@ def test_keep_freed_memory_stops_refaulting_big_blocks():
         inside = faults()
     assert applied  # Linux with glibc, as here
     assert outside > 6 * 15_000 and inside < outside / 10
+
+
+def test_report_replaces_only_the_marked_block():
+    readme = f"# Title\nintro\n{report.BEGIN}\nold table\n{report.END}\noutro\n"
+    assert (
+        report.replace_block(readme, "| a |\n")
+        == f"# Title\nintro\n{report.BEGIN}\n| a |\n{report.END}\noutro\n"
+    )
+    with pytest.raises(ValueError, match="bench:begin"):
+        report.replace_block("# no markers\n", "| a |\n")
+
+
+def test_readme_performance_tables_are_the_committed_results():
+    """The README shows exactly what ``python -m bench.report`` renders from ``bench/results``."""
+    loaded = {p.stem: json.loads(p.read_text()) for p in sorted(common.RESULTS.glob("*.json"))}
+    tables = report.render(loaded)
+    readme = report.README.read_text()
+    assert report.replace_block(readme, tables) == readme
+    step = loaded["train_step-sd15-shape-256px"]
+    ours = step["modes"]["ours"]["seconds_per_step"]["median"]
+    assert f"| sd15-shape | 256 | 1 | fp32 | ours | {ours:.2f} |" in readme
+    assert f"**{step['speedup']:.2f}x faster**" in readme
