@@ -217,12 +217,15 @@ def make_setup(
     """Load the components, add the placeholder token, freeze everything, build the dataset.
 
     ``mixed_precision`` ("no" or "bf16") is the engine's option: both steps run their forward pass
-    under the matching autocast."""
+    under the matching autocast, and the frozen UNet and VAE hold bf16 weights."""
     parts = models.load_components(model_dir(model))
     token_ids = ti.add_placeholder_tokens(parts.tokenizer, parts.text_encoder, PLACEHOLDER, INITIALIZER)
     for module in (parts.text_encoder, parts.vae, parts.unet):
         module.requires_grad_(False)
         module.eval()
+    if mixed_precision == "bf16":  # as diffusers' script (and, for the UNet, the engine) do
+        parts.unet.to(torch.bfloat16)
+        parts.vae.to(torch.bfloat16)
     dataset = data.ConceptDataset(
         concept_dir(resolution, Path(workdir) / "concept"),
         parts.tokenizer,

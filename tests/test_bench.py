@@ -122,7 +122,7 @@ def test_bf16_runs_both_modes_forward_under_autocast(tmp_path):
     for step in (common.OursStep(setup), common.ReferenceStep(setup)):
         with step.active():
             assert isinstance(step(0), float)
-    assert dtypes == [torch.bfloat16, torch.bfloat16]
+    assert dtypes == [torch.bfloat16, torch.bfloat16] and setup.parts.unet.dtype == torch.bfloat16
     assert common.OursStep(setup).learned.vectors.dtype == torch.float32
 
 

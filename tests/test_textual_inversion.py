@@ -270,6 +270,35 @@ def test_full_pipeline_differs_from_base_only_in_new_rows(two_vector_run):
     assert image.size == (64, 64)
 
 
+def test_bf16_run_keeps_the_saved_unet_fp32_and_untouched(tmp_path, monkeypatch):
+    """With bf16 the frozen UNet trains in bf16 weights (no per-step casts), yet validation samples
+    work, the learned rows stay fp32 and the saved pipeline's UNet is the base one, bit for bit."""
+    from diffusers import StableDiffusionPipeline
+
+    seen = []
+    original = ti.diffusion_loss
+    monkeypatch.setattr(ti, "diffusion_loss", lambda unet, *a: seen.append(unet.dtype) or original(unet, *a))
+    cfg = tiny_config(
+        tmp_path,
+        mixed_precision="bf16",
+        max_train_steps=2,
+        save_as_full_pipeline=True,
+        validation_prompt="a photo of <dicoo>",
+        num_validation_images=1,
+    )
+    result = ti.train(cfg)
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert json.loads((result.output_dir / "run_summary.json").read_text())["precision"] == "bf16"
+    assert (result.output_dir / "samples" / "final" / "00.png").is_file()
+    saved = load_file(result.learned_embeds_path)["<dicoo>"]
+    assert saved.dtype == torch.float32 and torch.isfinite(saved).all()
+    tuned = StableDiffusionPipeline.from_pretrained(result.pipeline_dir)
+    base = models.load_components("tiny").unet.state_dict()
+    assert all(
+        v.dtype == torch.float32 and torch.equal(v, base[k]) for k, v in tuned.unet.state_dict().items()
+    )
+
+
 def test_resume_equals_uninterrupted(two_vector_run, tmp_path):
     cfg, result = two_vector_run
     # A run killed after step 4 restarts from its checkpoint in a fresh process state.
