@@ -110,6 +110,10 @@ def _prepacked(on: bool, keep: bool = True) -> Callable[[common.OursStep], None]
     return apply
 
 
+def _bf16_weights(on: bool) -> Callable[[common.OursStep], None]:
+    return lambda step: step.setup.parts.unet.to(torch.bfloat16 if on else torch.float32)
+
+
 _math = _Context(_math_sdpa)
 IN_PROCESS = {
     o.name: o
@@ -119,8 +123,10 @@ IN_PROCESS = {
         Option("attention_classic", _attn_processor("classic"), _attn_processor("sdpa")),
         Option("flush_denormal", _flush_denormal(True), _flush_denormal(False)),
         Option("prepacked_convs", _prepacked(True), _prepacked(False)),
+        Option("bf16_weights", _bf16_weights(True), _bf16_weights(False), engine=True),
     )
 }
+NEEDS_BF16 = {"bf16_weights"}  # options that only mean something under --mixed_precision bf16
 PROCESS_LEVEL = ("allocator", "omp_affinity", "gradient_checkpointing")
 ALL = (*IN_PROCESS, "compile", *PROCESS_LEVEL)
 
@@ -135,15 +141,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (in-process)")
     parser.add_argument("--rounds", type=int, default=2, help="child processes per variant (process-level)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}")
+    parser.add_argument("--mixed_precision", choices=("no", "bf16"), default="no", help="the engine's option")
+    parser.add_argument(
+        "--only", default=None, help=f"comma-separated subset of {','.join(ALL)} (default: all that apply)"
+    )
     parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON TrainConfig overrides
     args = parser.parse_args(argv)
     if args.resolution is None:
         args.resolution = 64 if args.model == "tiny" else 256
+    bf16 = args.mixed_precision == "bf16"
+    if args.only is None:
+        args.only = ",".join(n for n in ALL if bf16 or n not in NEEDS_BF16)
     unknown = set(args.only.split(",")) - set(ALL)
     if unknown:
         parser.error(f"--only: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(ALL)}")
+    if not bf16 and NEEDS_BF16 & set(args.only.split(",")):
+        parser.error(f"--only {','.join(sorted(NEEDS_BF16))} needs --mixed_precision bf16")
     return args
 
 
@@ -158,16 +172,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "resolution": args.resolution,
         "batch": args.batch,
         "threads": threads,
+        "mixed_precision": args.mixed_precision,
         "machine": common.machine(),
         "options": {},
     }
     in_process = [n for n in wanted if n in IN_PROCESS or n == "compile"]
     if in_process:
         with common.scratch_dir() as work:
-            setup = common.make_setup(args.model, args.resolution, args.batch, work)
+            setup = common.make_setup(args.model, args.resolution, args.batch, work, args.mixed_precision)
             ours = common.OursStep(setup)
-            for option in IN_PROCESS.values():  # start from the engine's configuration
-                (option.on if option.engine else option.off)(ours)
+            for name, option in IN_PROCESS.items():  # start from the engine's configuration
+                if name not in NEEDS_BF16 or args.mixed_precision == "bf16":
+                    (option.on if option.engine else option.off)(ours)
             try:
                 with ours.active(), cpu.keep_freed_memory():  # as the engine's loop
                     for name in in_process:

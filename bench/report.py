@@ -33,6 +33,7 @@ OPTION_NOTES = {
     "flush_denormal": "`torch.set_flush_denormal(True)`",
     "prepacked_convs": "conv weights reordered for oneDNN once (`bench/prepack.py`); +2 x 2.19 GiB of weight copies",
     "compile": "`torch.compile(unet)` (default inductor)",
+    "bf16_weights": "bf16 runs: the frozen UNet held in bf16 instead of autocast casting its fp32 weights every step",
 }
 
 

@@ -159,6 +159,18 @@ def test_optimisations_benchmark_on_tiny(tmp_path):
     assert all(len(runs) == 1 for runs in alloc["seconds"].values())
     with pytest.raises(SystemExit):
         optimisations.parse_args(["--only", "warp_drive"])
+    with pytest.raises(SystemExit):  # bf16 weights mean nothing in an fp32 run
+        optimisations.parse_args(["--only", "bf16_weights"])
+    assert "bf16_weights" not in optimisations.parse_args([]).only.split(",")
+    assert "bf16_weights" in optimisations.parse_args(["--mixed_precision", "bf16"]).only.split(",")
+
+
+def test_bf16_weights_option_switches_the_unet_and_returns_to_the_engines_choice(tmp_path):
+    args = ["--model", "tiny", "--steps", "1", "--mixed_precision", "bf16", "--only", "bf16_weights"]
+    report = optimisations.main(optimisations.parse_args([*args, "--out", str(tmp_path / "o.json")]))
+    result = report["options"]["bf16_weights"]
+    assert report["mixed_precision"] == "bf16" and result["used_by_engine"]
+    assert result["seconds"]["off"]["n"] == 1 and result["speedup"] > 0
 
 
 def test_prepacked_convolution_matches_the_plain_one():
