@@ -218,14 +218,12 @@ def make_setup(
 
     ``mixed_precision`` ("no" or "bf16") is the engine's option: both steps run their forward pass
     under the matching autocast, and the frozen UNet and VAE hold bf16 weights."""
-    parts = models.load_components(model_dir(model))
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32  # as diffusers' script casts them
+    parts = models.load_components(model_dir(model), unet_dtype=dtype, vae_dtype=dtype)
     token_ids = ti.add_placeholder_tokens(parts.tokenizer, parts.text_encoder, PLACEHOLDER, INITIALIZER)
     for module in (parts.text_encoder, parts.vae, parts.unet):
         module.requires_grad_(False)
         module.eval()
-    if mixed_precision == "bf16":  # as diffusers' script (and, for the UNet, the engine) do
-        parts.unet.to(torch.bfloat16)
-        parts.vae.to(torch.bfloat16)
     dataset = data.ConceptDataset(
         concept_dir(resolution, Path(workdir) / "concept"),
         parts.tokenizer,

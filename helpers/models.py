@@ -179,12 +179,16 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
 
 
 def load_components(
-    pretrained_model_name_or_path: str | os.PathLike, revision: str | None = None
+    pretrained_model_name_or_path: str | os.PathLike,
+    revision: str | None = None,
+    unet_dtype: torch.dtype = torch.float32,
+    vae_dtype: torch.dtype = torch.float32,
 ) -> Components:
     """Load tokenizer, text encoder (fp32), VAE, UNet and the DDPM training scheduler.
 
     The text encoder is always loaded in fp32: transformers keeps the dtype weights were saved
-    in, and an fp16 text encoder would train slowly and imprecisely on a CPU.
+    in, and an fp16 text encoder would train slowly and imprecisely on a CPU. The frozen UNet and
+    VAE load in the dtype asked for (bf16 halves their memory where bf16 is native).
     """
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
@@ -193,8 +197,8 @@ def load_components(
     return Components(
         tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
         text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", dtype=torch.float32),
-        vae=AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32),
-        unet=UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=torch.float32),
+        vae=AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype),
+        unet=UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=unet_dtype),
         noise_scheduler=DDPMScheduler.from_pretrained(path, subfolder="scheduler"),
         path=path,
     )

@@ -379,7 +379,11 @@ def train(config: TrainConfig) -> TrainResult:
     if precision.warning:
         logger.warning(precision.warning, main_process_only=True)
 
-    parts = models.load_components(model_dir)
+    # With bf16 the UNet, only ever read, is loaded in bf16, as diffusers' script casts it: no step
+    # re-casts its 860 M weights (autocast would, and hold the casts for the backward). Saving the
+    # full pipeline takes the UNet from the base model, untouched.
+    bf16 = precision.mixed_precision == "bf16"
+    parts = models.load_components(model_dir, unet_dtype=torch.bfloat16 if bf16 else torch.float32)
     text_encoder, vae, unet, noise_scheduler = (
         parts.text_encoder,
         parts.vae,
@@ -399,14 +403,8 @@ def train(config: TrainConfig) -> TrainResult:
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         text_encoder.gradient_checkpointing_enable()
-    if precision.mixed_precision == "bf16":
-        # The UNet is only read. Keep its weights in bf16 once, as diffusers' script does, instead of
-        # autocast casting all 860 M of them on every forward pass and holding the casts for the
-        # backward. Saving the full pipeline takes the UNet from the base model, untouched.
-        unet.to(torch.bfloat16)
     if config.use_ipex:
-        dtype = torch.bfloat16 if precision.mixed_precision == "bf16" else torch.float32
-        cpu.apply_ipex(unet, text_encoder, dtype)
+        cpu.apply_ipex(unet, text_encoder, torch.bfloat16 if bf16 else torch.float32)
 
     dataset = data.ConceptDataset(
         config.train_data_dir,
