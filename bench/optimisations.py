@@ -181,9 +181,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         with common.scratch_dir() as work:
             setup = common.make_setup(args.model, args.resolution, args.batch, work, args.mixed_precision)
             ours = common.OursStep(setup)
-            for name, option in IN_PROCESS.items():  # start from the engine's configuration
-                if name not in NEEDS_BF16 or args.mixed_precision == "bf16":
-                    (option.on if option.engine else option.off)(ours)
+            applicable = [
+                o for n, o in IN_PROCESS.items() if n not in NEEDS_BF16 or args.mixed_precision == "bf16"
+            ]
+            for option in applicable:  # start from the engine's configuration
+                (option.on if option.engine else option.off)(ours)
             try:
                 with ours.active(), cpu.keep_freed_memory():  # as the engine's loop
                     for name in in_process:
@@ -194,7 +196,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         report["options"][name] = result
                         print(_line(name, result), flush=True)
             finally:
-                for option in IN_PROCESS.values():
+                for option in applicable:
                     option.off(ours)
                 _prepacked(False, keep=False)(ours)
     for name in (n for n in wanted if n in PROCESS_LEVEL):
