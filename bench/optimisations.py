@@ -315,7 +315,7 @@ def _process_level(args: argparse.Namespace, name: str, threads: int) -> dict[st
 def _run_child(args: argparse.Namespace, env: dict, overrides: dict, threads: int) -> dict[str, float]:
     cmd = [sys.executable, "-m", "bench.optimisations", "--child", json.dumps(overrides)]
     cmd += ["--model", args.model, "--resolution", str(args.resolution), "--batch", str(args.batch)]
-    cmd += ["--steps", str(args.steps), "--threads", str(threads)]
+    cmd += ["--steps", str(args.steps), "--threads", str(threads), "--mixed_precision", args.mixed_precision]
     proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"child {overrides} failed:\n{proc.stderr[-3000:]}")
@@ -325,7 +325,15 @@ def _run_child(args: argparse.Namespace, env: dict, overrides: dict, threads: in
 def _child(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, float]:
     """Run the engine for 1 + ``steps`` steps; print its step time and peak RSS as JSON."""
     with tempfile.TemporaryDirectory(prefix="bench-child-") as work:
-        out = common.run_engine(args.model, args.resolution, args.batch, 1 + args.steps, work, **overrides)
+        out = common.run_engine(
+            args.model,
+            args.resolution,
+            args.batch,
+            1 + args.steps,
+            work,
+            mixed_precision=args.mixed_precision,
+            **overrides,
+        )
     print(json.dumps(out))
     return out
 
