@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bench import allreduce, common, optimisations, report, train_step
-from helpers import data, models
+from bench import inference as bench_inference
+from helpers import data, inference, models
 
 PHASES = set(train_step.PHASES) | {"total"}
 
@@ -232,3 +233,20 @@ def test_readme_performance_tables_are_the_committed_results():
     ours = step["modes"]["ours"]["seconds_per_step"]["median"]
     assert f"| sd15-shape | 256 | 1 | fp32 | ours | {ours:.2f} |" in readme
     assert f"**{step['speedup']:.2f}x faster**" in readme
+
+
+@pytest.mark.slow
+def test_inference_benchmark_on_tiny(tmp_path):
+    """Every variant timed once (each loaded alone), PSNR against PyTorch, int8 smaller than fp32."""
+    out = tmp_path / "i.json"
+    args = ["--model", "tiny", "--steps", "2", "--repeats", "1", "--out", str(out)]
+    result = bench_inference.main(bench_inference.parse_args(args))
+    native = inference.openvino_default_precision() == "bf16"
+    expected = set(inference.VARIANTS) | ({inference.BF16_VARIANT} if native else set())
+    assert set(result["seconds_per_image"]) == expected
+    assert json.loads(out.read_text())["seconds_per_image"] == result["seconds_per_image"]
+    assert all(len(v) == 1 and v[0] > 0 for v in result["seconds_per_image_all"].values())
+    assert result["psnr_vs_pytorch_db"]["pytorch_fp32"] == inference.PSNR_IDENTICAL_DB
+    assert result["psnr_vs_pytorch_db"]["openvino_static"] > inference.IMAGE_PSNR_MIN_DB
+    assert result["model_megabytes"]["int8"] < result["model_megabytes"]["fp32"]
+    assert "openvino_static_int8" in bench_inference.report(result)
