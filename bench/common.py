@@ -218,7 +218,7 @@ def make_setup(
 
     ``mixed_precision`` ("no" or "bf16") is the engine's option: both steps run their forward pass
     under the matching autocast, and the frozen UNet and VAE hold bf16 weights."""
-    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32  # as diffusers' script casts them
+    dtype = cpu.compute_dtype(mixed_precision)  # diffusers' script casts both to it
     parts = models.load_components(model_dir(model), unet_dtype=dtype, vae_dtype=dtype)
     token_ids = ti.add_placeholder_tokens(parts.tokenizer, parts.text_encoder, PLACEHOLDER, INITIALIZER)
     for module in (parts.text_encoder, parts.vae, parts.unet):

@@ -23,8 +23,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bench import common
 from helpers import cpu
 
@@ -93,7 +91,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         for name, mode in modes.items():
             with mode.active():
                 flops[name] = common.count_flops(lambda m=mode: m(0))
-        dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+        dtype = cpu.compute_dtype(args.mixed_precision)
         gemm = [common.gemm_gflops(dtype=dtype)]
         results = common.run_interleaved(
             {name: timed(mode) for name, mode in modes.items()},

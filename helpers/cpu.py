@@ -45,6 +45,11 @@ class PrecisionChoice:
     warning: str | None = None
 
 
+def compute_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype the frozen models compute in for accelerate's ``mixed_precision`` ("no" or "bf16")."""
+    return torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+
+
 @dataclass
 class CPUReport:
     """Cores, ISA flags and the precision this machine should train with."""

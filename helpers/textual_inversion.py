@@ -382,8 +382,8 @@ def train(config: TrainConfig) -> TrainResult:
     # With bf16 the UNet, only ever read, is loaded in bf16, as diffusers' script casts it: no step
     # re-casts its 860 M weights (autocast would, and hold the casts for the backward). Saving the
     # full pipeline takes the UNet from the base model, untouched.
-    bf16 = precision.mixed_precision == "bf16"
-    parts = models.load_components(model_dir, unet_dtype=torch.bfloat16 if bf16 else torch.float32)
+    dtype = cpu.compute_dtype(precision.mixed_precision)
+    parts = models.load_components(model_dir, unet_dtype=dtype)
     text_encoder, vae, unet, noise_scheduler = (
         parts.text_encoder,
         parts.vae,
@@ -404,7 +404,7 @@ def train(config: TrainConfig) -> TrainResult:
         unet.enable_gradient_checkpointing()
         text_encoder.gradient_checkpointing_enable()
     if config.use_ipex:
-        cpu.apply_ipex(unet, text_encoder, torch.bfloat16 if bf16 else torch.float32)
+        cpu.apply_ipex(unet, text_encoder, dtype)
 
     dataset = data.ConceptDataset(
         config.train_data_dir,
