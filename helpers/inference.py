@@ -377,7 +377,7 @@ def load_openvino_pipeline(path: str | os.PathLike, compile: bool = True, precis
         precision: OpenVINO's ``INFERENCE_PRECISION_HINT``. ``"f32"`` (default) computes in fp32 like
             PyTorch, so :func:`compare` measures the export and nothing else. ``None`` leaves
             OpenVINO's choice for this CPU: bf16 where it has native bf16 (AVX512-BF16, AMX), which
-            is faster and moves the text encoder by ~0.02 and the images to 30-36 dB PSNR (tiny model).
+            is faster and moves the text encoder by ~0.02 and the images to 30-50 dB PSNR (as measured here).
 
     Raises:
         FileNotFoundError: ``path`` is not an OpenVINO export; the message says how to make one.
