@@ -13,13 +13,14 @@ Two ways to run a textual-inversion step on the same modules, so both are timed 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +141,44 @@ def count_flops(fn: Callable[[], Any]) -> int:
     with FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS) as counter:
         fn()
     return int(counter.get_total_flops())
+
+
+def onednn_seconds(fn: Callable[[], Any], modules: Iterable[torch.nn.Module]) -> dict[str, float]:
+    """oneDNN's own timing of one call of ``fn()``: seconds per primitive kind, from its verbose log.
+
+    Reorders (a tensor laid out afresh for oneDNN) are split into ``reorder_weights`` (the shape of
+    one of ``modules``' parameters, or of its transpose: weights re-laid out on every call) and
+    ``reorder_activations`` (everything else). oneDNN prints the log with C ``printf``, so file
+    descriptor 1 points at a temporary file meanwhile. Matmuls that PyTorch hands to MKL rather
+    than oneDNN (fp32 ``Linear``) do not appear.
+    """
+    weights = {tuple(p.shape) for m in modules for p in m.parameters()}
+    weights |= {s[::-1] for s in weights if len(s) == 2}
+    sys.stdout.flush()
+    libc = ctypes.CDLL(None)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        saved = os.dup(1)
+        os.dup2(log.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                fn()
+        finally:
+            libc.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+        log.seek(0)
+        lines = log.read().splitlines()
+    seconds: dict[str, float] = {}
+    for line in lines:
+        fields = line.split(",")  # onednn_verbose,[timestamp,]v1,primitive,exec,cpu,<kind>,...,<shape>,<ms>
+        if "exec" not in fields[:6] or fields[fields.index("exec") - 1] != "primitive":
+            continue
+        kind = fields[fields.index("exec") + 2]
+        if kind == "reorder":
+            shape = tuple(int(d) for d in fields[-2].split("x"))
+            kind += "_weights" if shape in weights else "_activations"
+        seconds[kind] = seconds.get(kind, 0.0) + float(fields[-1]) / 1e3
+    return seconds
 
 
 def summarize(seconds: list[float]) -> dict[str, float]:

@@ -122,20 +122,12 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                 f"{r.get('rss_ratio', float('nan')):.2f} / {r.get('training_rss_ratio', float('nan')):.2f} | "
                 f"bound {r['flop_bound_seconds']:.2f} s at {r['gemm_peak_gflops']:.0f} GFLOP/s | |"
             )
-        out += ["", "Where a step's time goes (seconds, medians):", ""]
         phases = list(steps[0]["modes"]["ours"]["breakdown"])
-        out.append(
-            "| model | px | precision | mode | " + " | ".join(p.replace("_", " ") for p in phases) + " |"
-        )
-        out.append("|---|---|---|---|" + "---|" * len(phases))
-        for r in steps:
-            for name in ("ours", "reference"):
-                b = r["modes"][name]["breakdown"]
-                out.append(
-                    f"| {r['model']} | {r['resolution']} | {_precision(r)} | {name} | "
-                    + " | ".join(f"{b[p]:.2f}" for p in phases)
-                    + " |"
-                )
+        out += [
+            "",
+            *_seconds_by_mode(steps, "Where a step's time goes (seconds, medians):", "breakdown", phases),
+        ]
+        out += ["", *_onednn_table(steps)]
     if comms:
         out += [
             "",
@@ -187,6 +179,39 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+ONEDNN_ORDER = ("convolution", "reorder_weights", "reorder_activations", "matmul")
+
+
+def _onednn_table(steps: list[dict[str, Any]]) -> list[str]:
+    """Seconds per oneDNN primitive kind in a step of each mode (train_step's verbose-log capture)."""
+    found = {k for r in steps for m in r["modes"].values() for k in m["onednn_seconds"]}
+    kinds = [k for k in ONEDNN_ORDER if k in found] + sorted(found - set(ONEDNN_ORDER))
+    title = (
+        "Inside those phases, oneDNN's own log (seconds per step, medians of 3 steps; `reorder` = a "
+        "tensor laid out afresh for oneDNN; fp32 `Linear` layers run in MKL and are not in it):"
+    )
+    return _seconds_by_mode(steps, title, "onednn_seconds", kinds)
+
+
+def _seconds_by_mode(steps: list[dict[str, Any]], title: str, field: str, columns: list[str]) -> list[str]:
+    """A table of seconds, one row per result and mode, one column per key of ``modes[mode][field]``."""
+    lines = [
+        title,
+        "",
+        "| model | px | precision | mode | " + " | ".join(c.replace("_", " ") for c in columns) + " |",
+        "|---|---|---|---|" + "---|" * len(columns),
+    ]
+    for r in steps:
+        for name in ("ours", "reference"):
+            got = r["modes"][name][field]
+            lines.append(
+                f"| {r['model']} | {r['resolution']} | {_precision(r)} | {name} | "
+                + " | ".join(f"{got.get(c, 0.0):.2f}" for c in columns)
+                + " |"
+            )
+    return lines
+
+
 def _inference_table(results: list[dict[str, Any]]) -> list[str]:
     """Seconds per image per variant; speed-up over PyTorch and PSNR against it in brackets."""
     names = [v for v in VARIANT_LABELS if any(v in r["seconds_per_image"] for r in results)]
@@ -216,8 +241,8 @@ def _inference_table(results: list[dict[str, Any]]) -> list[str]:
 
 PROCESS_NOTES = {
     "glibc_default": ("keep_freed_memory (glibc `mallopt`)", "yes"),
-    "tcmalloc": ("tcmalloc via `LD_PRELOAD`", "no"),
-    "jemalloc": ("jemalloc via `LD_PRELOAD` (+ `MALLOC_CONF`)", "no"),
+    "tcmalloc": ("tcmalloc via `LD_PRELOAD` instead of the engine's glibc setting", "no"),
+    "jemalloc": ("jemalloc via `LD_PRELOAD` (+ `MALLOC_CONF`) instead of the engine's glibc setting", "no"),
     "thp": ("`THP_MEM_ALLOC_ENABLE=1` (huge pages) on top of the engine", "no"),
     "close_cores": ("`OMP_PROC_BIND=close OMP_PLACES=cores`", "no"),
     "gradient_checkpointing": ("gradient_checkpointing", "no (flag)"),
@@ -225,35 +250,49 @@ PROCESS_NOTES = {
 
 
 def _option_rows(name: str, o: dict[str, Any]) -> list[str]:
-    if "on_s" in o:  # in-process A/B
+    if "on_s" in o:  # in-process A/B: steps interleaved in one process
         note = OPTION_NOTES.get(name, "")
         if name == "compile":
             note += f"; compile time {o['compile_s']:.0f} s, not counted"
+        off, on = o["seconds"]["off"], o["seconds"]["on"]
+        off_cell, on_cell = (_spread(r["median"], r["min"], r["max"], r["n"], "steps") for r in (off, on))
         used = "yes" if o["used_by_engine"] else "no"
         return [
-            f"| {name} | {used} | {o['off_s']:.2f} s | {o['on_s']:.2f} s | {o['speedup']:.2f}x | {note} |"
+            f"| {name} | {used} | {off_cell} | {on_cell} | {o['speedup']:.2f}x | "
+            f"{note}{_inside(off['min'], off['max'], on['min'], on['max'])} |"
         ]
     rows = []
-    base_s, base_rss = o["baseline_s"], o["baseline_training_rss_mib"]
-    glibc_s = o.get("glibc_default_s")
-    for key in o:
+    for key in o:  # process-level: fresh launches per variant
         if not key.endswith("_speedup"):
             continue
         variant = key[: -len("_speedup")]
         label, used = PROCESS_NOTES.get(variant, (variant, "no"))
-        var_s, var_rss = o[f"{variant}_s"], o[f"{variant}_training_rss_mib"]
+        without, with_ = "baseline", variant  # against the engine as it is
         if variant == "glibc_default":  # the engine's own setting, against glibc's defaults
-            row = (label, used, glibc_s, base_s, glibc_s / base_s, base_rss, var_rss)
-        elif glibc_s is not None and variant != "thp":  # another allocator, against glibc's defaults
-            row = (label, used, glibc_s, var_s, glibc_s / var_s, var_rss, o["glibc_default_training_rss_mib"])
-        else:
-            row = (label, used, base_s, var_s, base_s / var_s, var_rss, base_rss)
-        label, used, without, with_, speedup, rss_with, rss_without = row
+            without, with_ = "glibc_default", "baseline"
+        (a, lo_a, hi_a, n_a), (b, lo_b, hi_b, n_b) = (_launches(o, v) for v in (without, with_))
         rows.append(
-            f"| {label} | {used} | {without:.2f} s | {with_:.2f} s | {speedup:.2f}x | "
-            f"training peak RSS {_gib(rss_with)} (without: {_gib(rss_without)}) |"
+            f"| {label} | {used} | {_spread(a, lo_a, hi_a, n_a, 'launches')} | "
+            f"{_spread(b, lo_b, hi_b, n_b, 'launches')} | {a / b:.2f}x | training peak RSS "
+            f"{_gib(o[f'{with_}_training_rss_mib'])} (without: {_gib(o[f'{without}_training_rss_mib'])})"
+            f"{_inside(lo_a, hi_a, lo_b, hi_b)} |"
         )
     return rows
+
+
+def _launches(o: dict[str, Any], variant: str) -> tuple[float, float, float, int]:
+    """Median, fastest, slowest (seconds per step) and count of a process-level variant's launches."""
+    runs = [r["seconds_per_step"] for r in o["seconds"][variant]]
+    return o[f"{variant}_s"], min(runs), max(runs), len(runs)
+
+
+def _spread(median: float, lo: float, hi: float, n: int, what: str) -> str:
+    return f"{median:.2f} s ({lo:.2f}-{hi:.2f}, {n} {what})"
+
+
+def _inside(lo_a: float, hi_a: float, lo_b: float, hi_b: float) -> str:
+    """A note when two ranges of measurements overlap: the difference of their medians is not established."""
+    return "; within the spread of the measurements" if lo_a <= hi_b and lo_b <= hi_a else ""
 
 
 if __name__ == "__main__":

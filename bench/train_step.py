@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ PHASES = (
     "optimizer",
     "communication",
 )
+ONEDNN_STEPS = 3  # steps per mode under oneDNN's verbose log; per-kind medians are reported
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,10 +89,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             with mode.active():
                 for w in range(args.warmup):
                     mode(w)
-        flops = {}
+        flops, onednn = {}, {}
         for name, mode in modes.items():
             with mode.active():
                 flops[name] = common.count_flops(lambda m=mode: m(0))
+                frozen = (setup.parts.unet, setup.parts.text_encoder, setup.parts.vae)
+                logs = [common.onednn_seconds(lambda m=mode, i=i: m(i), frozen) for i in range(ONEDNN_STEPS)]
+                onednn[name] = {k: statistics.median(g.get(k, 0.0) for g in logs) for k in set().union(*logs)}
         dtype = cpu.compute_dtype(args.mixed_precision)
         gemm = [common.gemm_gflops(dtype=dtype)]
         results = common.run_interleaved(
@@ -101,7 +106,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         )
         timer.remove()
     memory = {} if args.no_memory else {name: _run_child(args, name, threads) for name in modes}
-    report = _report(args, threads, flops, max(gemm), results, memory)
+    report = _report(args, threads, flops, onednn, max(gemm), results, memory)
     suffix = "-bf16" if args.mixed_precision == "bf16" else ""
     out = Path(args.out or common.RESULTS / f"train_step-{args.model}-{args.resolution}px{suffix}.json")
     common.write_json(out, report)
@@ -110,7 +115,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _report(args, threads, flops, gemm_peak, results, memory) -> dict[str, Any]:
+def _report(args, threads, flops, onednn, gemm_peak, results, memory) -> dict[str, Any]:
     modes: dict[str, Any] = {}
     for name, steps in results.items():
         seconds = common.summarize([s["total"] for s in steps])
@@ -119,6 +124,7 @@ def _report(args, threads, flops, gemm_peak, results, memory) -> dict[str, Any]:
             "images_per_second": args.batch / seconds["median"],
             "breakdown": {p: common.summarize([s[p] for s in steps])["median"] for p in PHASES},
             "flops_per_step": flops[name],
+            "onednn_seconds": onednn[name],
             **memory.get(name, {}),
         }
     ours, ref = modes["ours"], modes["reference"]
@@ -173,6 +179,9 @@ def format_report(r: dict[str, Any]) -> str:
     row("GFLOP/step", ours["flops_per_step"] / 1e9, ref["flops_per_step"] / 1e9, "{:12.1f}")
     for phase in PHASES:
         row(f"  {phase}", ours["breakdown"][phase], ref["breakdown"][phase])
+    lines.append("oneDNN's log of one step (s):")
+    for kind in sorted(set(ours["onednn_seconds"]) | set(ref["onednn_seconds"])):
+        row(f"  {kind}", ours["onednn_seconds"].get(kind, 0.0), ref["onednn_seconds"].get(kind, 0.0))
     lines.append(f"speed-up (reference / ours): {r['speedup']:.2f}x")
     lines.append(
         f"FLOP bound {r['flop_bound_seconds']:.3f} s/step at {r['gemm_peak_gflops']:.0f} GFLOP/s "
