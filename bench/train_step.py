@@ -90,10 +90,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 for w in range(args.warmup):
                     mode(w)
         flops, onednn = {}, {}
+        frozen = (setup.parts.unet, setup.parts.text_encoder, setup.parts.vae)
         for name, mode in modes.items():
             with mode.active():
                 flops[name] = common.count_flops(lambda m=mode: m(0))
-                frozen = (setup.parts.unet, setup.parts.text_encoder, setup.parts.vae)
                 logs = [common.onednn_seconds(lambda m=mode, i=i: m(i), frozen) for i in range(ONEDNN_STEPS)]
                 onednn[name] = {k: statistics.median(g.get(k, 0.0) for g in logs) for k in set().union(*logs)}
         dtype = cpu.compute_dtype(args.mixed_precision)
