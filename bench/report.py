@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from helpers import inference
 from helpers.files import write_text_atomic
 
 README = common.ROOT / "README.md"
@@ -23,7 +24,7 @@ VARIANT_LABELS = {
     "openvino_dynamic": "OpenVINO dynamic",
     "openvino_static": "OpenVINO static",
     "openvino_static_int8": "OpenVINO static, int8 weights",
-    "openvino_static_bf16": "OpenVINO static, bf16 (the CPU's default)",
+    inference.BF16_VARIANT: "OpenVINO static, bf16 (the CPU's default)",
 }
 
 OPTION_NOTES = {
@@ -126,8 +127,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         out += [
             "",
             *_seconds_by_mode(steps, "Where a step's time goes (seconds, medians):", "breakdown", phases),
+            "",
+            *_onednn_table(steps),
         ]
-        out += ["", *_onednn_table(steps)]
     if comms:
         out += [
             "",

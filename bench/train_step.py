@@ -179,7 +179,7 @@ def format_report(r: dict[str, Any]) -> str:
     row("GFLOP/step", ours["flops_per_step"] / 1e9, ref["flops_per_step"] / 1e9, "{:12.1f}")
     for phase in PHASES:
         row(f"  {phase}", ours["breakdown"][phase], ref["breakdown"][phase])
-    lines.append("oneDNN's log of one step (s):")
+    lines.append(f"oneDNN's log, seconds per step (median of {ONEDNN_STEPS} steps):")
     for kind in sorted(set(ours["onednn_seconds"]) | set(ref["onednn_seconds"])):
         row(f"  {kind}", ours["onednn_seconds"].get(kind, 0.0), ref["onednn_seconds"].get(kind, 0.0))
     lines.append(f"speed-up (reference / ours): {r['speedup']:.2f}x")
