@@ -104,7 +104,8 @@ class ClusterLayout:
         nproc_per_node: processes on every node (the same on each).
         main_process_ip: address rank 0 listens on (default: ``127.0.0.1`` when every host is
             this machine, else the first host).
-        main_process_port: TCP port of the rendezvous; must be open between the nodes.
+        main_process_port: TCP port of the rendezvous; must be open between the nodes. 0 picks one
+            that is free on this machine now (run from the head node, as mpirun is).
         network_interface: NIC the nodes talk over (e.g. ``eth0``); None lets MPI and gloo choose.
         threads_per_process: intra-op threads of each process (default: physical cores of this
             machine // ``nproc_per_node``, nodes assumed alike). Always set explicitly on the ranks.
@@ -131,8 +132,13 @@ class ClusterLayout:
             raise DistributedError(
                 f"nproc_per_node={self.nproc_per_node!r}: must be an integer of at least 1"
             )
-        if not 1 <= int(self.main_process_port) <= 65535:
-            raise DistributedError(f"main_process_port={self.main_process_port}: must be a TCP port, 1-65535")
+        if not 0 <= int(self.main_process_port) <= 65535:
+            raise DistributedError(
+                f"main_process_port={self.main_process_port}: must be a TCP port, 1-65535, "
+                "or 0 for one that is free on this machine"
+            )
+        if int(self.main_process_port) == 0:
+            object.__setattr__(self, "main_process_port", free_port())
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise DistributedError(
                 f"threads_per_process={self.threads_per_process}: must be at least 1 (or None)"

@@ -55,6 +55,14 @@ def test_local_layout_defaults():
     assert layout.threads_per_process == max(1, d.physical_cores() // 2)
 
 
+def test_port_0_picks_a_port_free_on_this_machine():
+    layout = d.ClusterLayout.local(2, main_process_port=0)
+    assert 1 <= layout.main_process_port <= 65535
+    with socket.socket() as s:  # free: the rendezvous can listen on it
+        s.bind(("127.0.0.1", layout.main_process_port))
+    assert d.job_env(layout)["MASTER_PORT"] == str(layout.main_process_port)
+
+
 def test_remote_layout_uses_first_host_as_main():
     layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=8)
     assert not layout.is_local and layout.world_size == 16 and layout.main_process_ip == "node1"
@@ -100,6 +108,8 @@ def test_missing_hostfile_and_bad_values():
         d.ClusterLayout.local(0)
     with pytest.raises(d.DistributedError, match="main_process_port=70000"):
         d.ClusterLayout.local(1, main_process_port=70000)
+    with pytest.raises(d.DistributedError, match="main_process_port=-1: .* or 0 for one that is free"):
+        d.ClusterLayout.local(1, main_process_port=-1)
     with pytest.raises(d.DistributedError, match="hosts="):
         d.ClusterLayout(())
 
