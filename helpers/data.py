@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from helpers.sample_art import render_sample_concept
+from helpers.toyworld.world import render_pip_pictures as render_sample_concept
 
 __all__ = [
     "DEFAULT_CONCEPT_REPO",

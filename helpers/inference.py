@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from helpers.models import TINY, resolve_model
+from helpers.models import OFFLINE_MODELS, TINY, TOYWORLD, resolve_model
 from helpers.textual_inversion import LEARNED_EMBEDS, placeholder_tokens_for
 
 if TYPE_CHECKING:
@@ -225,10 +225,10 @@ def _is_openvino_folder(path: Path) -> bool:
 def _local_model(model: str | os.PathLike) -> Path:
     name = os.fspath(model)
     hub_like = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None
-    if name != TINY and not Path(name).expanduser().exists() and not hub_like:
+    if name not in OFFLINE_MODELS and not Path(name).expanduser().exists() and not hub_like:
         raise FileNotFoundError(
             f"model folder {name!r} does not exist. Fix: pass an existing diffusers folder (e.g. the "
-            f"training output_dir/pipeline), an exported OpenVINO folder, a Hub id, or '{TINY}'."
+            f"training output_dir/pipeline), an exported OpenVINO folder, a Hub id, '{TOYWORLD}' or '{TINY}'."
         )
     return resolve_model(name)
 

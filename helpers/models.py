@@ -1,6 +1,8 @@
-"""Model sources: a Hub id, a local diffusers folder, or the offline ``"tiny"`` pipeline.
+"""Model sources: a Hub id, a local diffusers folder, or the offline ``"toyworld"`` and ``"tiny"`` pipelines.
 
-``"tiny"`` is a random-weight Stable Diffusion v1 pipeline (same block structure: a VAE that
+``"toyworld"`` is a tiny Stable Diffusion v1 pipeline *trained* on a procedural world of toys
+(:mod:`helpers.toyworld`), shipped inside the package: offline, Textual Inversion visibly learns
+the bundled concept on it. ``"tiny"`` is a random-weight Stable Diffusion v1 pipeline (same block structure: a VAE that
 downsamples 8x, a UNet with three cross-attention levels, a CLIP text encoder) at tiny widths,
 with the real CLIP BPE vocabulary. It builds offline in seconds, deterministically, and is the
 embedded default for the demo and every test. Real checkpoints load through the same code.
@@ -30,6 +32,9 @@ DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 """The maintained copy of ``runwayml/stable-diffusion-v1-5`` (that repository was removed)."""
 TINY = "tiny"
 TINY_RESOLUTION = 64
+TOYWORLD = "toyworld"
+TOYWORLD_DIR = Path(__file__).parent / "assets" / "toyworld"
+OFFLINE_MODELS = (TOYWORLD, TINY)
 CLIP_VOCAB_FILE = Path(__file__).parent / "assets" / "clip_vocab" / "bpe_simple_vocab_16e6.txt.gz"
 # Files of a diffusers Stable Diffusion repo that training and inference need (skips EMA/fp16/ckpt copies).
 HUB_ALLOW_PATTERNS = [
@@ -145,10 +150,11 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
-    """Turn ``"tiny"``, a local diffusers folder or a Hub id into a local folder.
+    """Turn ``"toyworld"``, ``"tiny"``, a local diffusers folder or a Hub id into a local folder.
 
     Args:
-        name_or_path: ``"tiny"``, a folder with ``model_index.json``, or a Hub repo id.
+        name_or_path: ``"toyworld"`` (shipped), ``"tiny"`` (built on first use), a folder with
+            ``model_index.json``, or a Hub repo id.
         revision: Hub revision (branch, tag or commit); ignored for local folders.
 
     Returns:
@@ -161,17 +167,24 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
     name = os.fspath(name_or_path)
     if name == TINY:
         return tiny_pipeline_dir()
+    if name == TOYWORLD:
+        if not (TOYWORLD_DIR / "model_index.json").is_file():  # pragma: no cover - a broken install
+            raise FileNotFoundError(
+                f"the toy-world model is missing from {TOYWORLD_DIR}. Fix: reinstall the package, or rebuild "
+                f"it with `python -m helpers.toyworld build --output_dir {TOYWORLD_DIR}`."
+            )
+        return TOYWORLD_DIR
     path = Path(name).expanduser()
     if path.exists() or name.startswith((".", "/", "~")):
         if not (path / "model_index.json").is_file():
             raise FileNotFoundError(
                 f"model folder {path} has no model_index.json: it is not a diffusers pipeline folder. "
-                f"Fix: pass a folder saved with save_pretrained, a Hub id, or '{TINY}'."
+                f"Fix: pass a folder saved with save_pretrained, a Hub id, '{TOYWORLD}' or '{TINY}'."
             )
         return path
     ensure_hub_reachable(
         f"model {name!r}",
-        f"use the offline tiny model (pretrained_model_name_or_path='{TINY}') or a local diffusers folder",
+        f"use the offline toy-world model (pretrained_model_name_or_path='{TOYWORLD}') or a local diffusers folder",
     )
     from huggingface_hub import snapshot_download
 

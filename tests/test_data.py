@@ -13,7 +13,7 @@ from PIL import Image
 from helpers import data
 from helpers.data import ConceptDataset, ImageFolderError, validate_image_folder
 
-SAMPLE_NAMES = ["01_table.png", "02_sky_tilt.png", "03_grass_small.png", "04_closeup.png", "05_blanket.png"]
+SAMPLE_NAMES = ["01_table.png", "02_sky.png", "03_grass_small.png", "04_blanket.png", "05_table_small.png"]
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -54,12 +54,14 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 def test_sample_concept_is_five_small_images_that_validate():
     folder = data.sample_concept_dir()
     images = validate_image_folder(folder)
-    assert [p.name for p in images] == SAMPLE_NAMES  # README.md beside them is ignored
+    assert [p.name for p in images] == SAMPLE_NAMES
     assert sum(p.stat().st_size for p in images) < 300_000
     for p in images:
         with Image.open(p) as img:
             assert (img.format, img.mode, img.size) == ("PNG", "RGB", (160, 160))
-    assert (folder / "README.md").is_file()
+    assert (
+        sorted(p.name for p in folder.iterdir()) == SAMPLE_NAMES
+    )  # pictures only: diffusers' script reads every file
 
 
 def test_fresh_render_is_pixel_identical_to_committed_files(tmp_path):

@@ -1,0 +1,17 @@
+"""The toy world: a tiny text-to-image model trained here, so Textual Inversion visibly learns offline.
+
+* :mod:`helpers.toyworld.world`: the procedural world (captioned 64 px scenes of toys) and Pip,
+  the bundled concept, which the world never shows but is made of its parts (a teal duck).
+* :mod:`helpers.toyworld.build`: ``python -m helpers.toyworld build`` trains a Stable Diffusion v1
+  pipeline (same diffusers classes as the real one, tiny widths) and the judge on that world.
+* :mod:`helpers.toyworld.judge`: the classifier that has seen Pip and scores generated pictures.
+* :mod:`helpers.toyworld.evaluate`: ``python -m helpers.toyworld score``: Pip's probability over
+  pictures generated from fixed seeds, with or without learned embeddings.
+
+The built model ships in ``helpers/assets/toyworld`` with its manifest; ``models.resolve_model
+("toyworld")`` returns that folder.
+"""
+
+from helpers.toyworld.world import PIP_SHOTS, Scene, render, render_pip_pictures
+
+__all__ = ["PIP_SHOTS", "Scene", "render", "render_pip_pictures"]

@@ -1,0 +1,61 @@
+"""``python -m helpers.toyworld build|score``: build the toy-world model, or score pictures of Pip.
+
+::
+
+    python -m helpers.toyworld build --output_dir DIR [--seed 0] [--unet_steps N ...]
+    python -m helpers.toyworld score --model toyworld --prompt "a photo of <pip>" \\
+        [--learned_embeds PATH] [--num_images 8] [--seed 0] [--output_dir DIR]
+
+``score`` prints one JSON line (``concept_score``, per-image probabilities, judged backgrounds,
+image paths). Input problems are one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from helpers.toyworld import build, evaluate
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m helpers.toyworld", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="train the toy-world pipeline and judge (resumable)")
+    build.add_arguments(b)
+    s = sub.add_parser("score", help="generate pictures and print Pip's mean probability as JSON")
+    s.add_argument("--model", default="toyworld", help='"toyworld" or a folder built by `build`')
+    s.add_argument("--prompt", required=True, help='e.g. "a photo of <pip>"')
+    s.add_argument("--learned_embeds", help="learned_embeds.safetensors (or the training output_dir)")
+    s.add_argument("--num_images", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--output_dir", default="toyworld_scores", help="where the pictures go")
+    s.add_argument("--guidance_scale", type=float, default=evaluate.GUIDANCE_SCALE)
+    s.add_argument("--num_inference_steps", type=int, default=evaluate.NUM_INFERENCE_STEPS)
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> dict | str:
+    if args.command == "build":
+        return str(build.build(build.config_from_args(args), sys.argv[2:]))
+    return evaluate.score(args.model, args.prompt, args.learned_embeds, args.num_images, args.seed,
+                          args.output_dir, args.guidance_scale, args.num_inference_steps)  # fmt: skip
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        result = main(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if isinstance(result, dict) else result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

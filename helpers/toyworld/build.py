@@ -1,0 +1,445 @@
+"""Build the toy-world model: a tiny Stable Diffusion v1 pipeline trained here, and its judge.
+
+``python -m helpers.toyworld build --output_dir DIR`` renders the world, then trains in phases:
+
+1. **VAE** (``AutoencoderKL``, 4x downsampling: 64 px scenes become 16x16x4 latents).
+2. **Latents**: every scene encoded once; the scaling factor makes their standard deviation 1.
+3. **Text encoder + UNet** together (``CLIPTextModel`` with the real CLIP vocabulary,
+   ``UNet2DConditionModel``), on the latents with captions, one in ten empty for guidance,
+   with an exponential moving average of the weights (the EMA weights are what ships).
+4. **Judge**: a small classifier of the toy's kind (or Pip), colour and background, trained on
+   renders *including Pip*, half of them passed through the VAE so it judges generated images
+   as well as clean ones.
+5. **Evaluation and saving**: the pipeline (``StableDiffusionPipeline.save_pretrained`` layout),
+   the judge and ``manifest.json`` with the command, seed, versions, sha256 of every file, final
+   losses and the judge's scores.
+
+Every random draw is keyed by (seed, phase, step), and each phase checkpoints its state in
+``DIR.build/`` beside the output: an interrupted build resumes where it stopped and ends with the
+same weights. The output folder appears only when the build is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from helpers.files import write_text_atomic
+from helpers.toyworld import world
+from helpers.toyworld.judge import JUDGE_DIR, Judge, save_judge
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+TEXT_CONFIG = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    max_position_embeddings=77,
+    projection_dim=32,
+    hidden_act="quick_gelu",
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=49407,
+)
+UNET_CONFIG = dict(
+    sample_size=world.SIZE // 4,
+    in_channels=4,
+    out_channels=4,
+    # no attention at 16x16: there it costs more than it gives; cross-attention at 8x8 and 4x4
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    block_out_channels=(32, 64, 96),
+    layers_per_block=1,
+    attention_head_dim=16,
+    cross_attention_dim=TEXT_CONFIG["hidden_size"],
+    norm_num_groups=16,
+)
+VAE_CONFIG = dict(
+    sample_size=world.SIZE,
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    down_block_types=("DownEncoderBlock2D",) * 3,
+    up_block_types=("UpDecoderBlock2D",) * 3,
+    block_out_channels=(16, 32, 64),
+    layers_per_block=1,
+    norm_num_groups=16,
+    mid_block_add_attention=False,
+)
+
+
+@dataclass
+class BuildConfig:
+    """Every knob of the build (the defaults are what ships)."""
+
+    output_dir: str = "toyworld"
+    seed: int = 0
+    num_scenes: int = 8000
+    vae_steps: int = 1500
+    vae_batch_size: int = 16
+    vae_learning_rate: float = 1e-3
+    unet_steps: int = 6000
+    unet_batch_size: int = 32
+    unet_learning_rate: float = 1e-3
+    ema_decay: float = 0.999
+    judge_steps: int = 1500
+    judge_batch_size: int = 64
+    eval_images: int = 48
+    checkpoint_every: int = 250
+
+
+def _gen(cfg: BuildConfig, phase: str, step: int) -> torch.Generator:
+    key = hashlib.sha256(f"{cfg.seed}:{phase}:{step}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+
+
+def _to_tensor(images) -> torch.Tensor:
+    """PIL images -> float tensor [N, 3, H, W] in [-1, 1]."""
+    arr = np.stack([np.asarray(im, dtype=np.uint8) for im in images])
+    return torch.from_numpy(arr).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+class _Phase:
+    """A resumable training phase: its state lives in ``.build/<name>.pt``, saved atomically."""
+
+    def __init__(self, work: Path, name: str):
+        self.path = work / f"{name}.pt"
+
+    def load(self) -> dict | None:
+        return torch.load(self.path, weights_only=False) if self.path.exists() else None
+
+    def save(self, state: dict) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.path)
+
+
+def render_scenes(cfg: BuildConfig, work: Path) -> tuple[torch.Tensor, list[world.Scene]]:
+    """The training scenes (never Pip) as uint8 pixels, cached in ``.build/scenes.pt``."""
+    rng = random.Random(f"toyworld-scenes:{cfg.seed}")
+    scenes = [world.random_scene(rng) for _ in range(cfg.num_scenes)]
+    cache = _Phase(work, "scenes")
+    state = cache.load()
+    if state is None or state["num_scenes"] != cfg.num_scenes:
+        pixels = torch.empty(cfg.num_scenes, 3, world.SIZE, world.SIZE, dtype=torch.uint8)
+        for i, scene in enumerate(tqdm(scenes, desc="render scenes", unit="scene", mininterval=2)):
+            pixels[i] = torch.from_numpy(np.asarray(world.render(scene, seed=i))).permute(2, 0, 1)
+        state = {"num_scenes": cfg.num_scenes, "pixels": pixels}
+        cache.save(state)
+    return state["pixels"], scenes
+
+
+def _pixels(uint8: torch.Tensor) -> torch.Tensor:
+    return uint8.float() / 127.5 - 1.0
+
+
+def _lr(step: int, total: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
+
+
+def train_vae(cfg: BuildConfig, work: Path, pixels: torch.Tensor):
+    """Phase 1: the autoencoder (L1 + MSE reconstruction, a tiny KL term as in Stable Diffusion)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(cfg.seed)
+    vae = AutoencoderKL(**VAE_CONFIG)
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_learning_rate, weight_decay=0.0)
+    phase = _Phase(work, "vae")
+    state = phase.load() or {"step": 0, "losses": []}
+    if state["step"]:
+        vae.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    bar = tqdm(total=cfg.vae_steps, initial=state["step"], desc="1/4 VAE", unit="step")
+    for step in range(state["step"], cfg.vae_steps):
+        g = _gen(cfg, "vae", step)
+        idx = torch.randint(0, len(pixels), (cfg.vae_batch_size,), generator=g)
+        x = _pixels(pixels[idx])
+        dist = vae.encode(x).latent_dist
+        z = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=g)
+        rec = vae.decode(z).sample
+        loss = F.l1_loss(rec, x) + F.mse_loss(rec, x) + 1e-6 * dist.kl().mean()
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.vae_steps, cfg.vae_learning_rate)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["losses"].append(float(loss))
+        bar.update(1)
+        bar.set_postfix(loss=f"{np.mean(state['losses'][-50:]):.4f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.vae_steps:
+            state.update(step=step + 1, model=vae.state_dict(), optimizer=opt.state_dict())
+            phase.save(state)
+    bar.close()
+    vae.eval().requires_grad_(False)
+    return vae, state["losses"]
+
+
+@torch.no_grad()
+def encode_latents(
+    cfg: BuildConfig, work: Path, vae, pixels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Phase 2: every scene's latent distribution, and the scaling factor that gives std 1."""
+    phase = _Phase(work, "latents")
+    state = phase.load()
+    if state is None:
+        means, stds = [], []
+        for start in tqdm(range(0, len(pixels), 256), desc="2/4 latents", unit="batch"):
+            dist = vae.encode(_pixels(pixels[start : start + 256])).latent_dist
+            means.append(dist.mean)
+            stds.append(dist.std)
+        mean, std = torch.cat(means), torch.cat(stds)
+        state = {"mean": mean, "std": std, "scaling_factor": float(1.0 / mean.std())}
+        phase.save(state)
+    return state["mean"], state["std"], state["scaling_factor"]
+
+
+def tokenize_captions(
+    cfg: BuildConfig, tokenizer, scenes: list[world.Scene], variants: int = 4
+) -> torch.Tensor:
+    """``variants`` random captions per scene, tokenized: int ids ``[N, variants, 77]``."""
+    rng = random.Random(f"toyworld-captions:{cfg.seed}")
+    texts = [world.caption(s, rng) for s in scenes for _ in range(variants)]
+    ids = tokenizer(
+        texts, padding="max_length", max_length=77, truncation=True, return_tensors="pt"
+    ).input_ids
+    return ids.view(len(scenes), variants, -1)
+
+
+def train_generator(
+    cfg: BuildConfig, work: Path, latents: tuple[torch.Tensor, torch.Tensor, float], captions
+):
+    """Phase 3: text encoder and UNet together on the cached latents; returns the EMA copies."""
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from helpers.models import SD_SCHEDULER_CONFIG
+
+    mean, std, scaling = latents
+    torch.manual_seed(cfg.seed + 1)
+    unet = UNet2DConditionModel(**UNET_CONFIG)
+    torch.manual_seed(cfg.seed + 2)
+    text = CLIPTextModel(CLIPTextConfig(vocab_size=49408, **TEXT_CONFIG))
+    params = list(unet.parameters()) + list(text.parameters())
+    ema = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=cfg.unet_learning_rate, weight_decay=0.01)
+    scheduler = DDPMScheduler.from_config(SD_SCHEDULER_CONFIG)
+    phase = _Phase(work, "generator")
+    state = phase.load() or {"step": 0, "losses": []}
+    if state["step"]:
+        unet.load_state_dict(state["unet"])
+        text.load_state_dict(state["text_encoder"])
+        opt.load_state_dict(state["optimizer"])
+        for e, saved in zip(ema, state["ema"], strict=True):
+            e.copy_(saved)
+    unet.train()
+    text.train()
+    bar = tqdm(total=cfg.unet_steps, initial=state["step"], desc="3/4 text encoder + UNet", unit="step")
+    for step in range(state["step"], cfg.unet_steps):
+        g = _gen(cfg, "generator", step)
+        idx = torch.randint(0, len(mean), (cfg.unet_batch_size,), generator=g)
+        variant = torch.randint(0, captions.shape[1], (cfg.unet_batch_size,), generator=g)
+        z = (mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)) * scaling
+        noise = torch.randn(z.shape, generator=g)
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (cfg.unet_batch_size,), generator=g)
+        hidden = text(captions[idx, variant])[0]
+        pred = unet(scheduler.add_noise(z, noise, t), t, hidden).sample
+        loss = F.mse_loss(pred, noise)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.unet_steps, cfg.unet_learning_rate, warmup=200)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        decay = min(cfg.ema_decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for e, p in zip(ema, params, strict=True):
+                e.lerp_(p.detach(), 1 - decay)
+        state["losses"].append(float(loss))
+        bar.update(1)
+        bar.set_postfix(loss=f"{np.mean(state['losses'][-100:]):.4f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.unet_steps:
+            state.update(step=step + 1, unet=unet.state_dict(), text_encoder=text.state_dict(),
+                         optimizer=opt.state_dict(), ema=[e.clone() for e in ema])  # fmt: skip
+            phase.save(state)
+    bar.close()
+    with torch.no_grad():
+        for e, p in zip(ema, params, strict=True):
+            p.copy_(e)
+    return text.eval(), unet.eval(), state["losses"]
+
+
+def _judge_batch(cfg: BuildConfig, step: int, vae, size: int, held_out: bool = False):
+    """Fresh renders (Pip one time in six) with labels; half of them through the VAE and back."""
+    rng = random.Random(f"toyworld-judge:{cfg.seed}:{'test' if held_out else 'train'}:{step}")
+    scenes = [world.pip_scene(rng) if rng.random() < 1 / 6 else world.random_scene(rng) for _ in range(size)]
+    x = _to_tensor([world.render(s, seed=rng.randrange(1 << 30)) for s in scenes])
+    half = size // 2
+    with torch.no_grad():
+        x[:half] = vae.decode(vae.encode(x[:half]).latent_dist.mean).sample.clamp(-1, 1)
+    labels = Judge.labels(scenes)
+    return x, labels
+
+
+def train_judge(cfg: BuildConfig, work: Path, vae) -> tuple[Judge, dict[str, float]]:
+    """Phase 4: the judge, and its accuracy on held-out renders (clean and through the VAE)."""
+    torch.manual_seed(cfg.seed + 3)
+    judge = Judge()
+    opt = torch.optim.AdamW(judge.parameters(), lr=2e-3, weight_decay=1e-4)
+    phase = _Phase(work, "judge")
+    state = phase.load() or {"step": 0, "losses": []}
+    if state["step"]:
+        judge.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    judge.train()
+    bar = tqdm(total=cfg.judge_steps, initial=state["step"], desc="4/4 judge", unit="step")
+    for step in range(state["step"], cfg.judge_steps):
+        x, labels = _judge_batch(cfg, step, vae, cfg.judge_batch_size)
+        g = _gen(cfg, "judge", step)
+        x = x + 0.08 * torch.rand(len(x), 1, 1, 1, generator=g) * torch.randn(x.shape, generator=g)
+        loss = judge.loss(x, labels)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.judge_steps, 2e-3)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["losses"].append(float(loss))
+        bar.update(1)
+        bar.set_postfix(loss=f"{np.mean(state['losses'][-50:]):.4f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.judge_steps:
+            state.update(step=step + 1, model=judge.state_dict(), optimizer=opt.state_dict())
+            phase.save(state)
+    bar.close()
+    judge.eval()
+    x, labels = _judge_batch(cfg, 0, vae, 600, held_out=True)
+    with torch.no_grad():
+        acc = judge.accuracy(x, labels)
+    return judge, {**acc, "final_loss": float(np.mean(state["losses"][-50:])) if state["losses"] else None}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file below ``folder`` except the manifest, by relative path."""
+    return {
+        p.relative_to(folder).as_posix(): _sha256(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST and not p.relative_to(folder).parts[0].startswith(".")
+    }
+
+
+def _versions() -> dict[str, str]:
+    import diffusers
+    import transformers
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__}  # fmt: skip
+
+
+def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
+    """Run (or resume) every phase and write the finished model into ``cfg.output_dir``.
+
+    The folder is complete or absent: the pipeline, judge and manifest are written to a
+    temporary sibling and renamed over any earlier build; ``.build/`` (the phases' state) is
+    kept inside it until the build finishes, then removed.
+    """
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    from helpers.models import SD_SCHEDULER_CONFIG, build_clip_tokenizer
+    from helpers.toyworld.evaluate import evaluate
+
+    out = Path(cfg.output_dir)
+    work = Path(f"{out}.build")
+    work.mkdir(parents=True, exist_ok=True)
+    settings = asdict(cfg) | {"output_dir": None}
+    saved = work / "settings.json"
+    if saved.exists() and json.loads(saved.read_text()) != settings:
+        raise ValueError(
+            f"{work} holds an interrupted build with other settings. "
+            f"Fix: use the same settings to resume it, or delete {work} to start over."
+        )
+    write_text_atomic(saved, json.dumps(settings, indent=1))
+    start = time.perf_counter()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    pixels, scenes = render_scenes(cfg, work)
+    vae, vae_losses = train_vae(cfg, work, pixels)
+    latents = encode_latents(cfg, work, vae, pixels)
+    vae.register_to_config(scaling_factor=latents[2])
+    tokenizer = build_clip_tokenizer()
+    captions = tokenize_captions(cfg, tokenizer, scenes)
+    text, unet, unet_losses = train_generator(cfg, work, latents, captions)
+    judge, judge_scores = train_judge(cfg, work, vae)
+
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet,
+        scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )  # fmt: skip
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    save_judge(judge, tmp / JUDGE_DIR)
+    scores = evaluate(tmp, judge, num_images=cfg.eval_images, seed=cfg.seed)
+    manifest = {
+        "command": "python -m helpers.toyworld build " + shlex.join(argv or []),
+        "settings": settings,
+        "versions": _versions(),
+        "build_seconds": round(time.perf_counter() - start, 1),
+        "final_losses": {
+            "vae": float(np.mean(vae_losses[-50:])),
+            "text_encoder_unet": float(np.mean(unet_losses[-200:])),
+            "judge": judge_scores.pop("final_loss"),
+        },
+        "judge_held_out_accuracy": judge_scores,
+        "generator_scores": scores,
+        "files": file_hashes(tmp),
+    }
+    write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))
+    if out.exists():
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+    shutil.rmtree(work)
+    return out
+
+
+def config_from_args(args) -> BuildConfig:
+    return BuildConfig(**{f.name: getattr(args, f.name) for f in fields(BuildConfig)})
+
+
+def add_arguments(parser) -> None:
+    """The build's flags (one per :class:`BuildConfig` field, same name)."""
+    for f in fields(BuildConfig):
+        parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default)
+
+
+def read_manifest(model_dir: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / MANIFEST).read_text())
