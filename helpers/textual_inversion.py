@@ -37,7 +37,7 @@ from accelerate.utils import DistributedType
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from helpers import cpu, data, models
+from helpers import cpu, data, faults, models
 from helpers.config import TrainConfig
 from helpers.files import write_text_atomic
 
@@ -590,6 +590,7 @@ def train(config: TrainConfig) -> TrainResult:
             save_full_pipeline(run, pipeline_dir)
         _write_json(output_dir / SUMMARY, summary)  # written last: marks a finished run
     accelerator.wait_for_everyone()
+    faults.delay_in_collective_thread(accelerator.process_index)  # test-only: issue 11's exit race
     accelerator.end_training()  # destroys the process group (MPICH aborts a rank that skips it)
     return TrainResult(output_dir, learned_path, pipeline_dir, tokens, history, summary)
 
