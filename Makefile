@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export AZURE_CORE_COLLECT_TELEMETRY ?= false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-fast lint format bench clean distclean
+.PHONY: setup demo test test-fast lint format bench toyworld clean distclean
 
 setup: $(VENV)/.setup-done
 
@@ -44,9 +44,17 @@ bench: setup
 	$(PY) -m bench.train_step --model tiny
 	$(PY) -m bench.inference --model tiny
 
+# Rebuild the shipped toy-world model (about 45-70 minutes on 2 cores; resumable if interrupted).
+toyworld: setup
+	$(PY) -m helpers.toyworld build --output_dir helpers/assets/toyworld
+
 clean:
 	rm -rf build .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-distclean: clean
+dist# Rebuild the shipped toy-world model (about 45-70 minutes on 2 cores; resumable if interrupted).
+toyworld: setup
+	$(PY) -m helpers.toyworld build --output_dir helpers/assets/toyworld
+
+clean: clean
 	rm -rf $(VENV)

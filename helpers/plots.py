@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from PIL import Image
 
-__all__ = ["image_grid", "loss_curve", "moving_average", "save_figure", "timing_bars"]
+__all__ = ["image_grid", "image_rows", "loss_curve", "moving_average", "save_figure", "timing_bars"]
 
 
 def _new_figure(figsize: tuple[float, float]) -> Figure:
@@ -65,6 +65,33 @@ def image_grid(
         ax.set_axis_off()
         if titles is not None:
             ax.set_title(titles[k], fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def image_rows(rows: Mapping[str, Sequence[Image.Image]], size: float = 1.6) -> Figure:
+    """Rows of pictures, each row labelled on its left: e.g. the same seeds before and after training.
+
+    Args:
+        rows: row label -> its pictures (rows may differ in length).
+        size: width and height of each picture in inches.
+
+    Returns:
+        The figure, with one axis per picture, row by row; the first axis of each row carries the
+        row's label as its y-axis label.
+    """
+    if not rows or not all(rows.values()):
+        raise ValueError("image_rows needs at least one row, and every row at least one picture.")
+    cols = max(len(images) for images in rows.values())
+    fig = _new_figure((cols * size + 1.2, len(rows) * size + 0.2))
+    for r, (label, images) in enumerate(rows.items()):
+        for c, image in enumerate(images):
+            ax = fig.add_subplot(len(rows), cols, r * cols + c + 1)
+            ax.imshow(image)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if c == 0:
+                ax.set_ylabel(label, fontsize=9, rotation=0, ha="right", va="center")
     fig.tight_layout()
     return fig
 

@@ -418,3 +418,6 @@ def test_notebook_05_records(notebook_records):
     assert records["num_images"] == len(records["saved_images"]) // len(seconds)
     assert all(Path(p).is_file() for p in records["saved_images"])
     assert json.dumps(records)  # all plain JSON
+    scores = records["concept_score"]  # the judge's Pip score of every variant's pictures
+    assert set(scores) == set(seconds) and scores["pytorch_fp32"] >= 0.5
+    assert all(abs(score - scores["pytorch_fp32"]) <= 0.1 for score in scores.values()), scores

@@ -57,10 +57,14 @@ def test_notebook_02_records(notebook_records, notebook_run_dir):
     from safetensors.torch import load_file
 
     r = notebook_records("02_single_node_finetune")
-    assert r["history_steps"] == 30 and r["final_loss"] > 0 and r["steps_per_second"] > 0
+    assert r["history_steps"] == 200 and r["final_loss"] > 0 and r["steps_per_second"] > 0
     assert r["precision"] in ("no", "bf16")
     embeds = load_file(r["learned_embeds_path"])
-    assert list(embeds) == ["<dicoo>"] and embeds["<dicoo>"].shape == (1, 32)
+    assert list(embeds) == ["<pip>"] and embeds["<pip>"].shape == (1, 32)
+    # The toy world's acceptance (8 pictures, fixed seeds, the judge's mean probability of Pip):
+    assert r["concept_score_before"] <= 0.2  # the new word starts as "toy": not Pip
+    assert r["concept_score_after"] >= 0.7  # after the offline profile's training it draws Pip
+    assert r["concept_score_on_grass"] >= 0.5 and r["grass_share_on_grass"] > 0.5  # and composes
     assert Path(r["learned_embeds_path"]).is_relative_to(notebook_run_dir)
     assert (Path(r["pipeline_dir"]) / "model_index.json").is_file()
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from helpers.toyworld import world
-from helpers.toyworld.judge import HEADS, Judge, judge_images, load_judge
+from helpers.toyworld.judge import HEADS, JUDGE_DIR, Judge, judge_images, load_judge
 
 NUM_INFERENCE_STEPS = 20
 GUIDANCE_SCALE = 4.0
@@ -54,6 +55,135 @@ def concept_scores(judge: Judge, images: Sequence) -> dict[str, Any]:
     }
 
 
+@dataclass
+class ConceptReport:
+    """Pictures of one prompt from fixed seeds, and what the judge says of them (if the model has one)."""
+
+    prompt: str
+    images: list = field(repr=False)
+    concept_score: float | None = None  # mean probability of Pip
+    judged: dict[str, Any] = field(default_factory=dict)  # per-picture probabilities, backgrounds, objects
+
+    @property
+    def label(self) -> str:
+        """A short row label for a picture grid: the prompt and, if judged, Pip's score."""
+        score = "" if self.concept_score is None else f"\nPip score {self.concept_score:.2f}"
+        return f"{self.prompt}{score}"
+
+    def background_share(self, background: str) -> float | None:
+        """The fraction of pictures judged to be on ``background``."""
+        found = self.judged.get("backgrounds")
+        return None if found is None else sum(b == background for b in found) / len(found)
+
+
+def pip_score(model: str | os.PathLike, images: Sequence) -> float | None:
+    """The judge's mean probability of Pip over ``images``, or None if ``model`` has no judge.
+
+    ``model`` is the base model the pictures' concept was trained on (``"toyworld"``); pictures
+    from any backend (PyTorch, OpenVINO) can be scored.
+    """
+    from helpers.models import OFFLINE_MODELS, resolve_model
+
+    if os.fspath(model) not in OFFLINE_MODELS and not Path(model).is_dir():
+        return None  # a Hub model: no judge, and no need to download it to learn that
+    model_dir = resolve_model(model)
+    if not (model_dir / JUDGE_DIR).is_dir():
+        return None
+    return concept_scores(load_judge(model_dir), images)["concept_score"]
+
+
+def check_prompt(prompt: str, learned_embeds: str | os.PathLike | None) -> None:
+    """The prompt must use the placeholder that the embeddings define (and only with embeddings).
+
+    Raises:
+        ValueError: naming the prompt and the fix, before any model loads.
+    """
+    from helpers.inference import read_learned_embeds
+
+    if learned_embeds is None:
+        if "<" in prompt and ">" in prompt:
+            raise ValueError(
+                f"prompt {prompt!r} has a placeholder but no learned embeddings define it. "
+                f"Fix: pass --learned_embeds PATH (the training output's learned_embeds.safetensors)."
+            )
+        return
+    token, _ = read_learned_embeds(learned_embeds)
+    if token not in prompt:
+        raise ValueError(
+            f"prompt {prompt!r} does not contain {token!r}, the placeholder that {os.fspath(learned_embeds)!r} "
+            f'defines. Fix: use it in the prompt, e.g. --prompt "a photo of {token}".'
+        )
+
+
+def concept_report(
+    model: str | os.PathLike,
+    prompt: str,
+    learned_embeds: str | os.PathLike | None = None,
+    num_images: int = 8,
+    seed: int = 0,
+    guidance_scale: float = GUIDANCE_SCALE,
+    num_inference_steps: int = NUM_INFERENCE_STEPS,
+) -> ConceptReport:
+    """Generate ``num_images`` pictures of ``prompt`` (picture ``i`` from seed ``(seed, i)``) and judge them.
+
+    Args:
+        model: a Stable Diffusion folder, ``"toyworld"`` (which has a judge) or any other model
+            :func:`helpers.models.resolve_model` knows (pictures only, no score).
+        prompt: e.g. ``"a photo of <pip>"``; must contain the placeholder of ``learned_embeds``.
+        learned_embeds: a ``learned_embeds.safetensors`` (or training output folder) to load first.
+    """
+    from helpers.inference import load_pytorch_pipeline
+    from helpers.models import resolve_model
+
+    check_prompt(prompt, learned_embeds)
+    model_dir = resolve_model(model)
+    pipe = load_pytorch_pipeline(model_dir, learned_embeds)
+    images = generate_images(pipe, [prompt] * num_images, seed, guidance_scale, num_inference_steps)
+    if not (model_dir / JUDGE_DIR).is_dir():
+        return ConceptReport(prompt, images)
+    judged = concept_scores(load_judge(model_dir), images)
+    return ConceptReport(prompt, images, judged.pop("concept_score"), judged)
+
+
+def before_training_report(
+    model: str | os.PathLike,
+    prompt: str,
+    placeholder_token: str,
+    initializer_token: str,
+    num_images: int = 8,
+    seed: int = 0,
+    **kwargs: Any,
+) -> ConceptReport:
+    """:func:`concept_report` of the placeholder as a run starts it: a copy of its initializer word."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = initial_embeds(model, placeholder_token, initializer_token, Path(tmp) / "initial.safetensors")
+        return concept_report(model, prompt, path, num_images, seed, **kwargs)
+
+
+def initial_embeds(
+    model: str | os.PathLike, placeholder_token: str, initializer_token: str, path: str | os.PathLike
+) -> Path:
+    """Write the embedding a run starts from (the initializer word's row, under the placeholder).
+
+    Scoring it shows what the model draws for the new word *before* training.
+    """
+    from safetensors.torch import save
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from helpers.files import write_file_atomic
+    from helpers.models import resolve_model
+    from helpers.textual_inversion import check_tokens
+
+    model_dir = resolve_model(model)
+    tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
+    init_id = check_tokens(tokenizer, placeholder_token, initializer_token, 1)
+    table = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder").get_input_embeddings().weight
+    row = table[init_id][None].detach().clone().contiguous()
+    return write_file_atomic(path, lambda fh: fh.write(save({placeholder_token: row})))
+
+
 def score(
     model: str | os.PathLike,
     prompt: str,
@@ -64,33 +194,29 @@ def score(
     guidance_scale: float = GUIDANCE_SCALE,
     num_inference_steps: int = NUM_INFERENCE_STEPS,
 ) -> dict[str, Any]:
-    """Generate ``num_images`` pictures of ``prompt`` and judge them.
-
-    Args:
-        model: ``"toyworld"`` or a folder built by ``python -m helpers.toyworld build`` (it holds the judge).
-        prompt: e.g. ``"a photo of <pip>"``; must contain the placeholder of ``learned_embeds``.
-        learned_embeds: a ``learned_embeds.safetensors`` (or training output folder) to load first.
-        num_images: pictures, one per seed ``(seed, i)``.
-        seed: the seed of the first picture's noise.
-        output_dir: where the pictures are written as PNG (none written if None).
+    """What ``python -m helpers.toyworld score`` prints: :func:`concept_report` of a judged model.
 
     Returns:
         ``concept_score`` (mean probability of Pip), per-picture probabilities, judged backgrounds
-        and objects, and the written image paths.
+        and objects, and the paths of the pictures written into ``output_dir`` (if given).
+
+    Raises:
+        FileNotFoundError / ValueError: a missing model or embeddings file, a model without a
+            judge, a prompt without the embeddings' placeholder (before any picture is made).
     """
-    from helpers.inference import load_pytorch_pipeline
     from helpers.models import resolve_model
 
-    model_dir = resolve_model(model)
-    judge = load_judge(model_dir)
-    pipe = load_pytorch_pipeline(model_dir, learned_embeds)
-    images = generate_images(pipe, [prompt] * num_images, seed, guidance_scale, num_inference_steps)
-    result = {"prompt": prompt, **concept_scores(judge, images), "images": []}
+    check_prompt(prompt, learned_embeds)
+    load_judge(resolve_model(model))  # fails fast on a model without a judge
+    report = concept_report(
+        model, prompt, learned_embeds, num_images, seed, guidance_scale, num_inference_steps
+    )
+    paths = []
     if output_dir is not None:
         from helpers.inference import save_images
 
-        result["images"] = [str(p) for p in save_images(images, output_dir, "image")]
-    return result
+        paths = [str(p) for p in save_images(report.images, output_dir, "image")]
+    return {"prompt": prompt, "concept_score": report.concept_score, **report.judged, "images": paths}
 
 
 def evaluate(
