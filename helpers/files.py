@@ -1,26 +1,43 @@
-"""Writing files so that a reader never sees half of one: write a temporary sibling, then rename."""
+"""Writing files and folders so that a reader never sees half of one.
+
+Every writer in the project goes through these: a temporary sibling is filled, then renamed into
+place (a rename within one folder is atomic on POSIX). On any error the temporary is removed and
+the destination is left as it was.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
-def write_file_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
-    """Create ``path`` atomically: ``write(fh)`` fills a temporary sibling, which is then renamed.
+def _sibling(path: Path, tag: str) -> Path:
+    # Hidden, unique per process and call (several processes may write the same path); the
+    # suffix is kept because some writers pick the format by it (PIL, papermill).
+    return path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.{tag}{path.suffix}")
+
+
+def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Create the file ``path`` atomically from a writer that wants a file name.
+
+    ``write(tmp)`` creates the file ``tmp`` (a hidden sibling with the same suffix), which is
+    then renamed to ``path``. Use it for tools that take a path (papermill, ``Image.save``);
+    :func:`write_file_atomic` for ones that take an open file.
 
     Parents are created; on any error the temporary is removed and ``path`` is left as it was.
-    The temporary name carries the process id, so several processes writing the same file never
-    share a temporary; the file gets the usual permissions (the umask's).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _sibling(path, "tmp")
     try:
-        with open(tmp, "wb") as fh:
-            write(fh)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -28,6 +45,70 @@ def write_file_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], objec
     return path
 
 
+def write_file_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
+    """Create ``path`` atomically: ``write(fh)`` fills a temporary sibling, which is then renamed.
+
+    Parents are created; on any error the temporary is removed and ``path`` is left as it was.
+    The file gets the usual permissions (the umask's).
+    """
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:
+            write(fh)
+
+    return write_path_atomic(path, fill)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically, as :func:`write_file_atomic`."""
-    return write_file_atomic(path, lambda fh: fh.write(text.encode("utf-8")))
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically, as :func:`write_file_atomic`."""
+    return write_file_atomic(path, lambda fh: fh.write(data))
+
+
+def save_image_atomic(path: str | os.PathLike, image: Image.Image, format: str = "PNG") -> Path:
+    """Save a PIL image to ``path`` atomically, in ``format`` whatever the file name says."""
+    return write_file_atomic(path, lambda fh: image.save(fh, format=format))
+
+
+def replace_dir_atomic(path: str | os.PathLike, fill: Callable[[Path], object]) -> Path:
+    """Create or replace the folder ``path`` so that it is never half-written.
+
+    ``fill(tmp)`` writes the new content into ``tmp``, an empty hidden sibling folder. Then the
+    old folder (if any) is renamed aside, ``tmp`` is renamed to ``path`` and the old one is
+    deleted. At every moment the old complete folder or the new complete one exists: between the
+    two renames the old one is at its aside name (``.<name>.<pid>-<hex>.old``), and if the second
+    rename fails it is put back. If ``fill`` raises, ``path`` is untouched. The temporary is always
+    removed.
+
+    Returns:
+        ``path``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = _sibling(path, "tmp"), _sibling(path, "old")
+    tmp.mkdir()  # not tempfile.mkdtemp: that makes it 0700; this honours the umask like any folder
+    moved_aside = False
+    try:
+        fill(tmp)
+        if path.exists() or path.is_symlink():
+            os.rename(path, old)
+            moved_aside = True
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            if moved_aside:
+                os.rename(old, path)
+                moved_aside = False
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if moved_aside:
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    return path

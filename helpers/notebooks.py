@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from helpers.files import write_text_atomic
+from helpers.files import write_path_atomic, write_text_atomic
 
 RECORD_MIME = "application/x.workshop.record+json"
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -130,31 +129,28 @@ def run_notebook(
         raise FileNotFoundError(
             f"notebook {path} does not exist; the workshop notebooks are {notebook_paths()}"
         )
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".ipynb", dir=output_path.parent, prefix=f".{output_path.stem}.")
-    os.close(fd)
-    try:
-        papermill.execute_notebook(
-            str(path),
-            tmp,
-            parameters=dict(parameters or {}),
-            kernel_name="python3",
-            execution_timeout=cell_timeout,
-            cwd=str(cwd or path.parent),
-            progress_bar=False,
-        )
-    except PapermillExecutionError as err:
-        # Keep the failed copy next to the output: it shows the traceback in context.
-        failed = output_path.with_suffix(".failed.ipynb")
-        os.replace(tmp, failed)
-        raise NotebookError(
-            f"{path.name}: cell {err.cell_index} raised {err.ename}: {err.evalue}\n"
-            f"--- cell source ---\n{err.source}\n--- executed copy: {failed}"
-        ) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    os.replace(tmp, output_path)
+
+    def execute(tmp: Path) -> None:
+        try:
+            papermill.execute_notebook(
+                str(path),
+                str(tmp),
+                parameters=dict(parameters or {}),
+                kernel_name="python3",
+                execution_timeout=cell_timeout,
+                cwd=str(cwd or path.parent),
+                progress_bar=False,
+            )
+        except PapermillExecutionError as err:
+            # Keep the failed copy next to the output: it shows the traceback in context.
+            failed = output_path.with_suffix(".failed.ipynb")
+            os.replace(tmp, failed)
+            raise NotebookError(
+                f"{path.name}: cell {err.cell_index} raised {err.ename}: {err.evalue}\n"
+                f"--- cell source ---\n{err.source}\n--- executed copy: {failed}"
+            ) from None
+
+    write_path_atomic(output_path, execute)
     return read_records(output_path)
 
 
