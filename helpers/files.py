@@ -74,7 +74,9 @@ def save_image_atomic(path: str | os.PathLike, image: Image.Image, format: str =
     return write_file_atomic(path, lambda fh: image.save(fh, format=format))
 
 
-def replace_dir_atomic(path: str | os.PathLike, fill: Callable[[Path], object]) -> Path:
+def replace_dir_atomic(
+    path: str | os.PathLike, fill: Callable[[Path], object], keep_existing: bool = False
+) -> Path:
     """Create or replace the folder ``path`` so that it is never half-written.
 
     ``fill(tmp)`` writes the new content into ``tmp``, an empty hidden sibling folder. Then the
@@ -83,6 +85,13 @@ def replace_dir_atomic(path: str | os.PathLike, fill: Callable[[Path], object]) 
     two renames the old one is at its aside name (``.<name>.<pid>-<hex>.old``), and if the second
     rename fails it is put back. If ``fill`` raises, ``path`` is untouched. The temporary is always
     removed.
+
+    Args:
+        path: the folder to create or replace.
+        fill: writes the new content into the folder it is given.
+        keep_existing: for caches that several processes may build at once: if ``path`` exists
+            when the new content is ready (another builder finished first), keep it and discard
+            the new content, so a process reading ``path`` is never disturbed.
 
     Returns:
         ``path``.
@@ -94,6 +103,13 @@ def replace_dir_atomic(path: str | os.PathLike, fill: Callable[[Path], object]) 
     moved_aside = False
     try:
         fill(tmp)
+        if keep_existing:
+            try:
+                os.rename(tmp, path)  # fails if another builder's non-empty folder is there
+            except OSError:
+                if not path.is_dir():
+                    raise
+            return path
         if path.exists() or path.is_symlink():
             os.rename(path, old)
             moved_aside = True

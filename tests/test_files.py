@@ -126,3 +126,16 @@ def test_a_failing_final_rename_puts_the_old_folder_back(tmp_path, monkeypatch):
         replace_dir_atomic(dest, fill_with({"a": "new a"}))
     assert {p.name: p.read_text() for p in dest.iterdir()} == {"a": "old a", "b": "old b"}
     assert names(tmp_path) == ["pipeline"]
+
+
+def test_keep_existing_keeps_a_folder_another_builder_finished_first(tmp_path):
+    dest = tmp_path / "cache"
+
+    def build_while_another_finishes(folder):
+        (folder / "mine").write_text("mine")
+        replace_dir_atomic(dest, fill_with({"theirs": "theirs"}))  # the other builder wins the race
+
+    assert replace_dir_atomic(dest, build_while_another_finishes, keep_existing=True) == dest
+    assert names(dest) == ["theirs"] and names(tmp_path) == ["cache"]
+    replace_dir_atomic(tmp_path / "new", fill_with({"a": "1"}), keep_existing=True)
+    assert names(tmp_path / "new") == ["a"]
