@@ -6,7 +6,8 @@ Each run is ``python -m helpers.launch --nproc_per_node 2`` on the tiny model wi
 ``WORKSHOP_TEST_EXIT_DELAY`` set (see :mod:`helpers.faults`); a run still going after
 ``--timeout`` seconds is a hang and is killed with its whole process tree. ``--checkout`` runs
 another checkout's code (e.g. a ``git worktree`` of an older commit) with this machine's
-environment. Prints one JSON object: runs, ok, failed, hung, seconds per run.
+environment. Prints one JSON object: runs, ok, failed, hung (of which hung_after_outputs: killed
+with ``run_summary.json`` written, i.e. hung at exit, not slow), seconds per run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.runs):
         outcome = jobs.run_job(flags, timeout=args.timeout, cwd=args.checkout,
                                env={faults.EXIT_DELAY: str(args.delay)}, own_work_dir=True)  # fmt: skip
-        print(f"run {i + 1}/{args.runs}: {outcome.status} after {outcome.seconds:.1f} s", flush=True)
+        done = "outputs complete" if outcome.outputs_complete else "outputs incomplete"
+        print(f"run {i + 1}/{args.runs}: {outcome.status} after {outcome.seconds:.1f} s, {done}", flush=True)
         outcomes.append(outcome)
     report = {
         "benchmark": "exit_deadlock",
@@ -47,6 +49,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "timeout_seconds": args.timeout,
         "runs": args.runs,
         **{s: sum(o.status == s for o in outcomes) for s in ("ok", "failed", "hung")},
+        "hung_after_outputs": sum(o.status == "hung" and o.outputs_complete for o in outcomes),
         "seconds": [round(o.seconds, 1) for o in outcomes],
         "failed_tails": [o.tail for o in outcomes if o.status == "failed"],
     }

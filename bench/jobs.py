@@ -39,6 +39,7 @@ class Outcome:
     seconds: float
     returncode: int | None
     tail: list[str]
+    outputs_complete: bool  # run_summary.json written (a hung job may hang after finishing)
 
 
 def kill_tree(pid: int) -> None:
@@ -89,4 +90,5 @@ def run_job(
                 code, status = None, "hung"
         seconds = time.monotonic() - start
         tail = log.read_text(errors="replace").splitlines()[-8:]
-    return Outcome(status, seconds, code, tail)
+        complete = (Path(tmp) / "out" / "run_summary.json").is_file()
+    return Outcome(status, seconds, code, tail, complete)

@@ -33,7 +33,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -500,6 +500,8 @@ class LaunchCommand:
     node_rank: int = 0
     output_tags: str = "hydra"  # hydra "[r] ", openmpi "[1,r]<stdout>:", torchrun "[default<local>]:"
     rank_offset: int = 0  # global rank of this command's local rank 0 (torchrun)
+    status_dir: str | None = None  # the ranks' status folder (helpers.supervise), if they report
+    output_dir: str | None = None  # the run's output_dir, where run_summary.json marks it complete
 
     def shell(self) -> str:
         """The command as one shell line, ``VAR=value ... program args``."""
@@ -560,6 +562,7 @@ def launch_commands(
     backend: str = "gloo",
     entry: Sequence[str] = TRAIN_ENTRY,
     program: Sequence[str] | None = None,
+    extra_env: Mapping[str, str] | None = None,
 ) -> list[LaunchCommand]:
     """The exact command lines that start the training on every node.
 
@@ -576,13 +579,14 @@ def launch_commands(
         backend: ``"gloo"`` or ``"ccl"`` (see :func:`select_backend`).
         entry: what accelerate launch / torchrun runs (``-m module`` or a script path).
         program: for mpirun only, replace each rank's whole command (tests, diagnostics).
+        extra_env: more variables every rank gets (passed as the job's own, on every node).
 
     Returns:
         The commands; render each with :meth:`LaunchCommand.shell`.
     """
     if launcher not in LAUNCHERS:
         raise DistributedError(f"launcher={launcher!r}: use one of {', '.join(LAUNCHERS)}")
-    env = job_env(layout, backend)
+    env = {**job_env(layout, backend), **(extra_env or {})}
     train_args = [str(a) for a in train_args]
     if launcher == "torchrun":
         rank_env = {k: v for k, v in env.items() if not k.startswith("MASTER_")}  # torchrun sets those

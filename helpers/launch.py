@@ -7,9 +7,16 @@
 
 builds the commands with :mod:`helpers.distributed` (mpirun: one command on the head node;
 torchrun: one per node, the others started over ssh), streams rank 0's output, and returns the
-job's exit code. If a rank dies, the launchers stop the others; if they do not within
-``grace_seconds``, this kills the job. Either way the message names the rank that failed first
-and its error, e.g. ``rank 1 failed: RuntimeError: ...``.
+job's exit code. The hostfile and accelerate configs go to ``<output_dir>/launch/`` (``--work_dir``).
+
+Supervision to the end: every rank of ``helpers.train`` reports to ``<work_dir>/status``
+(:mod:`helpers.supervise`), so this sees each rank exit even under mpirun. Once one rank has
+exited (success or failure), the others get ``--exit_grace_seconds`` (60) to end; a rank alive
+without progress for ``--stall_seconds`` (900) is stalled. Either way this stops the whole job
+(TERM, then KILL: the launchers' process trees here, the ranks on other hosts over ssh) and
+prints one message: the ranks that did not end, their last lines, and whether the outputs are
+complete (``run_summary.json`` written); the exit code is 0 only if they are. A rank that fails
+is named with its error, e.g. ``rank 1 failed: RuntimeError: ...``.
 
 Not testable here: ssh to real machines (tests stand in a script for ssh and run every "node"
 on localhost).
@@ -18,6 +25,7 @@ on localhost).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -35,7 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from helpers import distributed
+import psutil
+
+from helpers import distributed, supervise
 from helpers.distributed import ClusterLayout, LaunchCommand
 
 logger = logging.getLogger(__name__)
@@ -75,6 +85,9 @@ class JobResult:
     error: str = ""
     killed: bool = False
     tails: dict[int, list[str]] = field(default_factory=dict)
+    not_ended: list[int] = field(default_factory=list)  # ranks helpers.launch had to stop
+    supervision: str = ""  # why helpers.launch stopped them, outputs, their last lines
+    outputs_complete: bool | None = None  # run_summary.json written (None: output_dir unknown)
 
     @property
     def ok(self) -> bool:
@@ -82,6 +95,9 @@ class JobResult:
 
     def message(self) -> str:
         """One paragraph for a person: which rank failed, its error, its last lines."""
+        if self.supervision:
+            failed = f"rank {self.failed_rank} failed: {self.error}\n" if self.error and not self.ok else ""
+            return failed + self.supervision
         if self.ok:
             return f"job finished in {self.seconds:.1f} s"
         who = f"rank {self.failed_rank}" if self.failed_rank is not None else "the job"
@@ -223,7 +239,27 @@ def _process(cmd: LaunchCommand, ssh: Sequence[str], cwd: str) -> tuple[list[str
     return [*ssh, "-tt", "-o", "BatchMode=yes", cmd.host, remote], env
 
 
-def _stop(procs: Sequence[subprocess.Popen], wait: float = 5.0) -> None:
+def _tree(procs: Sequence[subprocess.Popen]) -> list[psutil.Process]:
+    """The commands' descendants here (ranks, proxies), found before any is signalled."""
+    found = []
+    for p in procs:
+        try:
+            found += psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _stop(
+    procs: Sequence[subprocess.Popen],
+    wait: float = 5.0,
+    ranks: Sequence[tuple[str, int]] = (),
+    ssh: Sequence[str] = ("ssh",),
+) -> None:
+    """TERM, then KILL: each command's process group, every descendant here (a rank may have
+    left the group), and ``ranks`` given as ``(host, pid)`` on other hosts, over ssh."""
+    tree = _tree(procs)
+    remote = [(h, pid) for h, pid in ranks if not distributed.is_local_host(h)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             if p.poll() is None:
@@ -231,8 +267,19 @@ def _stop(procs: Sequence[subprocess.Popen], wait: float = 5.0) -> None:
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
                     pass
+        for child in tree:
+            try:
+                child.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        for host, pid in remote:
+            kill = [*ssh, "-o", "BatchMode=yes", host, f"kill -{sig.name[3:]} {pid}"]
+            subprocess.run(kill, capture_output=True, timeout=30, check=False)
         deadline = time.monotonic() + wait
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            any(p.poll() is None for p in procs)
+            or any(c.is_running() and c.status() != "zombie" for c in tree)
+        ):
             time.sleep(0.1)
 
 
@@ -240,19 +287,22 @@ def run_job(
     commands: Sequence[LaunchCommand],
     *,
     stream: TextIO | None = None,
-    grace_seconds: float = 30.0,
+    exit_grace_seconds: float = 60.0,
+    stall_seconds: float = 900.0,
     timeout: float | None = None,
     ssh: Sequence[str] = ("ssh",),
     cwd: str | os.PathLike | None = None,
     log_path: str | os.PathLike | None = None,
 ) -> JobResult:
-    """Start the commands, stream rank 0's output, and wait for the job to end.
+    """Start the commands, stream rank 0's output, and supervise the job until every rank has ended.
 
     Args:
-        commands: from :func:`helpers.distributed.launch_commands`.
+        commands: from :func:`prepare_job` (ranks report their status) or
+            :func:`helpers.distributed.launch_commands`.
         stream: where rank 0's lines and the launchers' own lines go (default stdout).
-        grace_seconds: after a rank fails (or one command exits non-zero), how long the launchers
-            get to stop the others before this kills the job.
+        exit_grace_seconds: once one rank has exited (or failed, or a command exited non-zero),
+            how long the others get to end before this stops the job.
+        stall_seconds: stop the job when a rank alive has reported no progress for this long.
         timeout: kill the job after this many seconds in all (None: no limit).
         ssh: the ssh command for commands that run on another host.
         cwd: working folder of the job (on every host).
@@ -262,10 +312,13 @@ def run_job(
         The :class:`JobResult`; call ``raise_for_failure()`` to turn a failure into an exception.
     """
     cwd = os.path.abspath(cwd or os.getcwd())
+    status_dir, output_dir = commands[0].status_dir, commands[0].output_dir
+    watcher = supervise.Watcher(supervise.prepare(status_dir)) if status_dir else None
     log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed below
     out = _Output(stream or sys.stdout, log)
     lines: queue.Queue = queue.Queue()
-    start, procs = time.monotonic(), []
+    start, started_wall, procs = time.monotonic(), time.time(), []
+    verdict: tuple[list[int], str] | None = None
     try:
         for i, cmd in enumerate(commands):
             argv, env = _process(cmd, ssh, cwd)
@@ -274,7 +327,7 @@ def run_job(
                                  env=env, cwd=cwd, start_new_session=True)  # fmt: skip
             procs.append(p)
             threading.Thread(target=_pump, args=(i, p.stdout, lines), daemon=True).start()
-        open_pipes, killed, ended_at = len(procs), False, None
+        open_pipes, killed, ended_at, stopped_at = len(procs), False, None, math.inf
         while open_pipes:
             try:
                 i, text, end = lines.get(timeout=0.2)
@@ -285,15 +338,21 @@ def run_job(
             except queue.Empty:
                 pass
             now = time.monotonic()
+            if watcher is not None and not killed:
+                watcher.poll(now)
+                verdict = watcher.verdict(
+                    now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in procs)
+                )
             if out.failure_seen_at is None and any(p.poll() for p in procs):
                 out.failure_seen_at = now  # a command exited non-zero
-            overdue = out.failure_seen_at is not None and now - out.failure_seen_at > grace_seconds
-            if not killed and (overdue or (timeout and now - start > timeout)):
-                logger.warning(
-                    "stopping the job: %s", "a rank failed" if overdue else f"timeout of {timeout} s"
-                )
-                _stop(procs)
-                killed = True
+            overdue = out.failure_seen_at is not None and now - out.failure_seen_at > exit_grace_seconds
+            if not killed and (verdict or overdue or (timeout and now - start > timeout)):
+                why = verdict[1] if verdict else "a rank failed" if overdue else f"timeout of {timeout} s"
+                logger.warning("stopping the job: %s", why)
+                alive = [(s.status["host"], s.status["pid"]) for s in (watcher.ranks.values() if watcher else [])
+                         if s.alive and "pid" in s.status]  # fmt: skip
+                _stop(procs, ranks=alive, ssh=ssh)
+                killed, stopped_at = True, now
             if all(p.poll() is not None for p in procs):
                 ended_at = ended_at or now
                 if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
@@ -312,7 +371,16 @@ def run_job(
     result = JobResult(
         code, time.monotonic() - start, killed=killed, tails={r: list(t) for r, t in out.tails.items()}
     )
-    if code:
+    if verdict:
+        result.not_ended = verdict[0]
+        result.outputs_complete, outputs = supervise.outputs(output_dir, started_wall)
+        tails = [
+            f"last lines of rank {r}:\n  " + "\n  ".join(result.tails.get(r, [])[-12:]) for r in verdict[0]
+        ]
+        result.supervision = "\n".join([f"{verdict[1]} {outputs}", *tails])
+        result.returncode = 0 if result.outputs_complete else 1
+    failed_before_stop = out.failure_seen_at is not None and out.failure_seen_at < stopped_at
+    if result.returncode and (not verdict or failed_before_stop):  # not the errors of ranks it stopped
         result.failed_rank, result.error = diagnose(
             out.errors, out.first_traceback, "\n".join(out.launcher_lines)
         )
@@ -324,7 +392,7 @@ def prepare_job(
     train_args: Sequence[str],
     launcher: str = "mpirun",
     *,
-    work_dir: str | os.PathLike = "launch",
+    work_dir: str | os.PathLike | None = None,
     mpirun: str | None = None,
     backend: str | None = None,
 ) -> list[LaunchCommand]:
@@ -334,8 +402,9 @@ def prepare_job(
         layout: the cluster.
         train_args: ``helpers.train`` flags; parsed here so a bad flag fails before any process starts.
         launcher: ``"mpirun"`` or ``"torchrun"``.
-        work_dir: folder for ``hostfile`` and ``accelerate_config_node*.yaml`` (must be visible at the
-            same path on every node, or copied there).
+        work_dir: folder for ``hostfile``, ``accelerate_config_node*.yaml`` and the ranks' ``status/``
+            (default ``<output_dir>/launch``, with the run, so two runs never share it; must be
+            visible at the same path on every node, or copied there).
         mpirun: the mpirun program (default: this environment's, see :func:`distributed.find_mpirun`).
         backend: ``"gloo"``/``"ccl"`` (default :func:`distributed.select_backend`).
 
@@ -350,8 +419,10 @@ def prepare_job(
             f"--train_data_dir {config.train_data_dir} is not a folder here; give the concept images' folder "
             "(the same path on every node)"
         )
-    work_dir = Path(work_dir)
+    output_dir = Path(config.output_dir).resolve()
+    work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
     configs = distributed.write_accelerate_configs(layout, work_dir, config.mixed_precision)
+    status_dir = str((work_dir / "status").resolve())
     kwargs = {}
     if launcher == "mpirun":
         mpirun = mpirun or distributed.find_mpirun()
@@ -360,9 +431,11 @@ def prepare_job(
         if not layout.is_local:
             distributed.write_hostfile(layout, hostfile, flavour)
         kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
-    return distributed.launch_commands(
-        layout, train_args, launcher, backend=backend or distributed.select_backend(), **kwargs
-    )
+    commands = distributed.launch_commands(
+        layout, train_args, launcher, backend=backend or distributed.select_backend(),
+        extra_env={supervise.STATUS_DIR_ENV: status_dir}, **kwargs,
+    )  # fmt: skip
+    return [dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir)) for c in commands]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -388,9 +461,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads_per_process", type=int, help="default: physical cores // nproc_per_node")
     parser.add_argument("--mpirun", help="mpirun program (default: this environment's Intel MPI, else PATH)")
-    parser.add_argument("--work_dir", default="launch", help="where the hostfile and accelerate configs go")
-    parser.add_argument("--grace_seconds", type=float, default=30.0,
-                        help="after a rank fails, seconds before the job is killed")  # fmt: skip
+    parser.add_argument("--work_dir", default=None,
+                        help="where the hostfile, accelerate configs and rank status go (default: <output_dir>/launch)")  # fmt: skip
+    parser.add_argument("--exit_grace_seconds", type=float, default=60.0,
+                        help="once a rank has exited, seconds the others get to end before the job is stopped")  # fmt: skip
+    parser.add_argument("--stall_seconds", type=float, default=900.0,
+                        help="stop the job when a rank makes no progress (no step) for this long")  # fmt: skip
     parser.add_argument("--dry_run", action="store_true",
                         help="write the configs and print the command of every node; start nothing")  # fmt: skip
     args = parser.parse_args(own)
@@ -398,6 +474,55 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("no training flags: add -- and the helpers.train flags, e.g. -- --train_data_dir DIR")
     args.train_args = train_args
     return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject launch options that cannot work, before anything starts.
+
+    Raises:
+        DistributedError: one line naming the option and the fix.
+    """
+    for flag in ("exit_grace_seconds", "stall_seconds"):
+        if getattr(args, flag) <= 0:
+            raise distributed.DistributedError(
+                f"--{flag} {getattr(args, flag):g}: must be more than 0 seconds; pass e.g. "
+                f"{60 if flag == 'exit_grace_seconds' else 900} (the default)"
+            )
+    if args.dry_run:  # printing commands for a cluster need not reach it from here
+        return
+    if args.network_interface:
+        names = sorted(psutil.net_if_addrs())
+        if args.network_interface not in names:
+            raise distributed.DistributedError(
+                f"--network_interface {args.network_interface}: no such interface on this machine "
+                f"(it has {', '.join(names)}); pass one of those, or leave the flag out to let MPI and gloo choose"
+            )
+    if args.hostfile:
+        for host, _ in distributed.parse_hostfile(args.hostfile):
+            if not _resolves(host):
+                raise distributed.DistributedError(
+                    f"--hostfile {args.hostfile}: host {host!r} does not resolve; correct the name, or add it "
+                    "to /etc/hosts or to the ssh config (Host/HostName)"
+                )
+
+
+def _resolves(host: str) -> bool:
+    """True if ``host`` has an address here, directly or through the ssh config's HostName."""
+    import socket
+
+    names = [host]
+    try:
+        out = subprocess.run(["ssh", "-G", host], capture_output=True, text=True, timeout=10)
+        names += [ln.split(None, 1)[1] for ln in out.stdout.splitlines() if ln.startswith("hostname ")]
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # no ssh here: the name itself must resolve
+    for name in names:
+        try:
+            socket.getaddrinfo(name, None)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def layout_from_args(args: argparse.Namespace) -> ClusterLayout:
@@ -411,6 +536,7 @@ def main(args: argparse.Namespace) -> int:
     """Run (or with ``--dry_run`` print) the job; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        check_args(args)
         layout = layout_from_args(args)
         commands = prepare_job(
             layout, args.train_args, args.launcher, work_dir=args.work_dir, mpirun=args.mpirun
@@ -423,9 +549,9 @@ def main(args: argparse.Namespace) -> int:
             where = "on the head node" if cmd.host is None else f"on node {cmd.node_rank} ({cmd.host})"
             print(f"# {args.launcher}, {where}, from {os.getcwd()}:\n{cmd.shell()}")
         return 0
-    result = run_job(commands, grace_seconds=args.grace_seconds)
-    if not result.ok:
-        print(f"error: {result.message()}", file=sys.stderr)
+    result = run_job(commands, exit_grace_seconds=args.exit_grace_seconds, stall_seconds=args.stall_seconds)
+    if not result.ok or result.supervision:  # one message; a warning when the outputs are complete
+        print(f"{'error' if not result.ok else 'warning'}: {result.message()}", file=sys.stderr)
     return result.returncode
 
 

@@ -33,11 +33,10 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from helpers import cpu, data, faults, models
+from helpers import cpu, data, faults, models, supervise
 from helpers.config import TrainConfig
 from helpers.files import write_text_atomic
 
@@ -340,19 +339,30 @@ def check_inputs(config: TrainConfig, tokenizer) -> list[Path]:
 
 
 class _AllreduceCounter:
-    """DDP communication hook that counts the bytes it all-reduces."""
+    """Counts the bytes all-reduced per step: around the engine's own all-reduce of the gradient
+    (:meth:`all_reduce_mean`), or as a DDP communication hook (:meth:`hook`, ``bench.allreduce``)."""
 
     def __init__(self):
         self.bytes = 0
         self.calls = 0
 
+    def _count(self, tensor: torch.Tensor, last: bool) -> None:
+        self.bytes += tensor.numel() * tensor.element_size()
+        self.calls += int(last)
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor`` by its mean over the ranks, synchronously, as DDP does with gradients
+        (divide by the world size, then sum)."""
+        import torch.distributed as dist
+
+        self._count(tensor, last=True)
+        tensor.div_(dist.get_world_size())
+        dist.all_reduce(tensor)
+
     def hook(self, state, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        buffer = bucket.buffer()
-        self.bytes += buffer.numel() * buffer.element_size()
-        if bucket.is_last():
-            self.calls += 1
+        self._count(bucket.buffer(), bucket.is_last())
         return allreduce_hook(None, bucket)
 
 
@@ -417,6 +427,7 @@ def train(config: TrainConfig) -> TrainResult:
         seed=config.seed,
     )
     latent_mean, latent_std = cache_latents(vae, dataset)
+    supervise.beat("loaded")  # loading a real model takes minutes: progress for helpers.launch
     scaling = vae.config.scaling_factor
     del vae  # never needed again: the encoder ran once per view
 
@@ -459,12 +470,16 @@ def train(config: TrainConfig) -> TrainResult:
         num_training_steps=max_steps * accelerator.num_processes,
         num_cycles=config.lr_num_cycles,
     )
-    learned, optimizer, loader, lr_scheduler = accelerator.prepare(learned, optimizer, loader, lr_scheduler)
+    # The 3 KB of learned rows are not wrapped in DDP: after each synchronising backward one
+    # synchronous all-reduce averages their gradient (see all_reduce_mean). A DDP reducer holds the
+    # process group and, freed with the GIL held, joined gloo's threads while one of them waited for
+    # the GIL: the exit deadlock of issue 11. evaluation_mode=True: mixed precision and checkpointing
+    # as a prepared model, no DDP.
+    learned = accelerator.prepare_model(learned, evaluation_mode=True)
+    optimizer, loader, lr_scheduler = accelerator.prepare(optimizer, loader, lr_scheduler)
     counter = _AllreduceCounter()
-    if accelerator.distributed_type != DistributedType.NO:
-        learned.register_comm_hook(state=None, hook=counter.hook)
     hook = _EmbeddingHook(text_encoder, learned)
-    vectors = accelerator.unwrap_model(learned).vectors
+    vectors = learned.vectors
     output_dir = Path(config.output_dir)
     run = _Run(
         accelerator, config, output_dir, model_dir, text_encoder, tokenizer, unet, token_ids, vectors, hook
@@ -526,6 +541,10 @@ def train(config: TrainConfig) -> TrainResult:
                             timesteps,
                         )
                     accelerator.backward(loss)
+                    if accelerator.sync_gradients and accelerator.num_processes > 1:
+                        # a rank blocked here waits for a slower one; helpers.launch blames that one
+                        supervise.beat(supervise.WAITING, global_step + 1)
+                        counter.all_reduce_mean(vectors.grad)  # micro-steps accumulate locally
                     if not checked_grad:
                         _check_gradient_reaches(vectors)
                         checked_grad = True
@@ -549,6 +568,8 @@ def train(config: TrainConfig) -> TrainResult:
                 )
                 progress.update(1)
                 progress.set_postfix(loss=f"{mean_loss:.4f}")
+                supervise.beat("training", global_step)  # helpers.launch's stall detection
+                faults.stall_after_step(accelerator.process_index, global_step)  # test-only
                 _periodic_saves(run, global_step, history)
                 local_loss, micro, step_start = 0.0, 0, time.perf_counter()
                 if global_step >= max_steps:
@@ -559,6 +580,7 @@ def train(config: TrainConfig) -> TrainResult:
 
     gathered = accelerator.gather(vectors.detach()[None])
     identical = bool(all(torch.equal(gathered[0], g) for g in gathered))
+    del gathered  # a collective's output: gloo's thread must not be the one to free it at teardown
     timed = [h["seconds"] for h in history[1:]] or [h["seconds"] for h in history]  # step 1 includes warm-up
     seconds_per_step = sum(timed) / max(len(timed), 1)
     images_per_step = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
@@ -581,6 +603,7 @@ def train(config: TrainConfig) -> TrainResult:
     hook.remove()
     learned_path = output_dir / LEARNED_EMBEDS
     pipeline_dir = output_dir / "pipeline" if config.save_as_full_pipeline else None
+    supervise.beat("saving" if accelerator.is_main_process else supervise.WAITING, global_step)
     if accelerator.is_main_process:
         save_learned_embeds(learned_path, config.placeholder_token, vectors)
         _write_json(output_dir / HISTORY, history)
@@ -589,6 +612,8 @@ def train(config: TrainConfig) -> TrainResult:
         if pipeline_dir is not None:
             save_full_pipeline(run, pipeline_dir)
         _write_json(output_dir / SUMMARY, summary)  # written last: marks a finished run
+    # Teardown in a safe order: no collective in flight (every rank past the barrier), then the
+    # process group destroyed while nothing but it holds gloo's threads.
     accelerator.wait_for_everyone()
     faults.delay_in_collective_thread(accelerator.process_index)  # test-only: issue 11's exit race
     accelerator.end_training()  # destroys the process group (MPICH aborts a rank that skips it)
@@ -648,6 +673,8 @@ def _periodic_saves(run: _Run, step: int, history: list[dict]) -> None:
     if config.validation_prompt and config.num_validation_images and step % config.validation_steps == 0:
         if accelerator.is_main_process:
             _validate(run, run.output_dir / "samples" / f"step-{step}")
+        else:
+            supervise.beat(supervise.WAITING, step)  # rank 0 samples meanwhile
         accelerator.wait_for_everyone()
 
 
@@ -693,7 +720,7 @@ def _validate(run: _Run, dest: Path) -> list[Path]:
     config, unet, text_encoder = run.config, run.unet, run.text_encoder
     write_rows(text_encoder, run.token_ids, run.vectors)
     learned = run.hook.learned
-    run.hook.learned = lambda ids, out: out  # rows are in the matrix now; no DDP call on one rank
+    run.hook.learned = lambda ids, out: out  # the rows are in the matrix now
     was_training = (unet.training, text_encoder.training)
     unet.eval()
     text_encoder.eval()
@@ -703,7 +730,7 @@ def _validate(run: _Run, dest: Path) -> list[Path]:
         gen = torch.Generator().manual_seed(config.seed)
         prompts = [config.validation_prompt] * config.num_validation_images
         with run.accelerator.autocast():  # the UNet may hold bf16 weights
-            images = pipe(prompts, num_inference_steps=25, generator=gen).images
+            images = pipe(prompts, num_inference_steps=25, generator=gen, callback_on_step_end=_beat).images
     finally:
         unet.train(was_training[0])
         text_encoder.train(was_training[1])
@@ -713,6 +740,12 @@ def _validate(run: _Run, dest: Path) -> list[Path]:
         image.save(tmp / f"{i:02d}.png")
     _replace_dir(tmp, dest)
     return [dest / f"{i:02d}.png" for i in range(len(images))]
+
+
+def _beat(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+    """Sampling can outlast helpers.launch's stall limit: each denoising step counts as progress."""
+    supervise.beat("validating", step)
+    return callback_kwargs
 
 
 def _mkdir(path: Path) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from helpers import faults, supervise
 from helpers.config import ConfigError, TrainConfig, parse_args
 from helpers.data import ImageFolderError
 from helpers.models import HubUnavailableError
@@ -26,12 +27,14 @@ def cli(argv: list[str] | None = None) -> int:
     """Parse, train, and turn input problems into one clear message and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per checkpoint file otherwise
+    supervise.start()  # under helpers.launch: this rank's lock and status, until the process is gone
     try:
         result = main(parse_args(argv))
     except (ConfigError, ImageFolderError, TrainingInputError, HubUnavailableError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("learned embeddings: %s", result.learned_embeds_path)
+    faults.hang_after_training(supervise.rank_from_env() or 0)  # test-only
     return 0
 
 

@@ -16,10 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
-from helpers import data, launch
+from helpers import data, faults, launch, supervise
 from helpers import distributed as d
 
 # A launcher test script: joins the gloo group through accelerate, then behaves as MODE says.
@@ -182,7 +183,7 @@ def test_watchdog_stops_a_job_the_launchers_leave_hanging(script, fake_ssh, monk
     node 0's rank sleeps outside any collective. The watchdog ends the job after the grace time."""
     monkeypatch.setenv("MODE", "crash_and_hang")
     start = time.monotonic()
-    result = launch.run_job(small_job(script, "torchrun", nodes=2), stream=io.StringIO(), grace_seconds=3,
+    result = launch.run_job(small_job(script, "torchrun", nodes=2), stream=io.StringIO(), exit_grace_seconds=3,
                             ssh=(str(fake_ssh),), timeout=120)  # fmt: skip
     assert time.monotonic() - start < 60
     assert result.killed and result.returncode != 0 and result.failed_rank == 1
@@ -198,8 +199,23 @@ def test_cli_parses_and_dry_runs_a_four_node_layout(tmp_path, capsys, monkeypatc
         assert args.train_args == train and launch.main(args) == 0
         printed = [ln for ln in capsys.readouterr().out.splitlines() if ln and not ln.startswith("#")]
         assert len(printed) == count and all(ln.endswith("--max_train_steps 7") for ln in printed)
-    assert (tmp_path / "launch" / "hostfile").read_text().splitlines() == [f"node{k}:4" for k in range(1, 5)]
-    assert len(list((tmp_path / "launch").glob("accelerate_config_node*.yaml"))) == 4
+    work = tmp_path / "textual_inversion_output" / "launch"  # with the run: <output_dir>/launch
+    assert work.joinpath("hostfile").read_text().splitlines() == [f"node{k}:4" for k in range(1, 5)]
+    assert len(list(work.glob("accelerate_config_node*.yaml"))) == 4
+    assert not (tmp_path / "launch").exists()
+
+
+def test_two_runs_from_one_folder_keep_their_configs_apart(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
+    for name in ("a", "b"):
+        train = ["--train_data_dir", str(data.sample_concept_dir()), "--output_dir", name]
+        (cmd,) = launch.prepare_job(layout, train, "mpirun")
+        config = tmp_path / name / "launch" / "accelerate_config_node0.yaml"
+        assert f"--config_file {config} " in cmd.shell() and config.is_file()
+        assert cmd.status_dir == str(tmp_path / name / "launch" / "status")
+        assert cmd.output_dir == str(tmp_path / name)
+        assert f"WORKSHOP_STATUS_DIR {cmd.status_dir} " in cmd.shell()
 
 
 def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
@@ -209,6 +225,27 @@ def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
     assert launch.main(args) == 2 and "resolution=63" in capsys.readouterr().err
     args = launch.parse_args(["--work_dir", str(tmp_path), "--", "--train_data_dir", str(tmp_path / "nope")])
     assert launch.main(args) == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_launch_options_before_starting_anything(tmp_path, capsys, monkeypatch):
+    """Each bad option: one line naming it and the fix, exit code 2, nothing written or started."""
+    monkeypatch.chdir(tmp_path)
+    train = ["--", "--train_data_dir", str(data.sample_concept_dir()), "--output_dir", "out"]
+    (tmp_path / "hosts").write_text("localhost\nno-such-node.invalid\n")
+    interfaces = ", ".join(sorted(__import__("psutil").net_if_addrs()))
+    cases = {
+        ("--exit_grace_seconds", "0"): "--exit_grace_seconds 0: must be more than 0 seconds; pass e.g. 60 (the default)",
+        ("--exit_grace_seconds", "-1"): "--exit_grace_seconds -1: must be more than 0 seconds; pass e.g. 60 (the default)",
+        ("--stall_seconds", "0"): "--stall_seconds 0: must be more than 0 seconds; pass e.g. 900 (the default)",
+        ("--hostfile", "hosts"): "--hostfile hosts: host 'no-such-node.invalid' does not resolve; correct the name, "
+        "or add it to /etc/hosts or to the ssh config (Host/HostName)",
+        ("--network_interface", "nosuchnic9"): f"--network_interface nosuchnic9: no such interface on this "
+        f"machine (it has {interfaces}); pass one of those, or leave the flag out to let MPI and gloo choose",
+    }  # fmt: skip
+    for flags, message in cases.items():
+        assert launch.main(launch.parse_args([*flags, *train])) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "out").exists()  # no config written, so no process started
 
 
 # --- the engine across processes ----------------------------------------------------------------------
@@ -303,4 +340,65 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
     assert r["preflight_problems"] == 0 and r["final_loss"] > 0
     assert " -n 2 -ppn 2 " in r["command"] and "accelerate.commands.launch --config_file" in r["command"]
     assert (notebook_run_dir / "outputs" / "pip-toyworld-mpirun" / "learned_embeds.safetensors").is_file()
-    assert r["concept_score"] >= 0.7  # the cluster run learned Pip too (the judge's mean probability, 8 pictures)
+    assert (
+        r["concept_score"] >= 0.7
+    )  # the cluster run learned Pip too (the judge's mean probability, 8 pictures)
+
+
+# --- supervision to the end ---------------------------------------------------------------------------
+
+
+def watch_exit(status_dir: Path, rank: int, seen: list[float]) -> None:
+    """Note when ``rank``'s process ended: its status lock free after having been held."""
+    lock, held = status_dir / f"rank{rank}.lock", False
+    while True:
+        now_held = supervise._lock_held(lock)
+        if held and not now_held:
+            seen.append(time.monotonic())
+            return
+        held = held or now_held
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_a_rank_that_hangs_after_training_is_stopped_after_the_exit_grace(tmp_path, launcher, monkeypatch):
+    """Rank 0 writes every output, then hangs (as in issue 11); rank 1 exits. The launcher stops
+    rank 0 within grace + 15 s of rank 1's exit, names it, and exits 0: the outputs are complete."""
+    monkeypatch.setenv(faults.HANG_RANK, "0")
+    out = tmp_path / "out"
+    layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
+    commands = launch.prepare_job(layout, train_args(out), launcher)
+    exited: list[float] = []
+    threading.Thread(target=watch_exit, args=(Path(commands[0].status_dir), 1, exited), daemon=True).start()
+    result = launch.run_job(commands, stream=io.StringIO(), exit_grace_seconds=5, cwd=tmp_path, timeout=900)
+    assert exited and time.monotonic() - exited[0] <= 5 + 15
+    assert result.returncode == 0 and result.killed and result.not_ended == [0] and result.outputs_complete
+    first, second, *tail = result.message().splitlines()
+    assert first == (
+        "rank 0 did not end within 5 s of rank 1 exiting; helpers.launch stopped it. "
+        f"Outputs complete: {out / 'run_summary.json'} was written."
+    )
+    assert second == "last lines of rank 0:"
+    assert tail == ["  " + ln for ln in result.tails[0][-12:]]
+    assert tail[-1].endswith(f"INFO __main__: learned embeddings: {out / 'learned_embeds.safetensors'}")
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_making_steps_is_named_and_the_job_stopped(tmp_path, capsys, monkeypatch):
+    """Rank 1 stops after step 2 of 4 (alive); rank 0 waits for it in step 3's all-reduce. The CLI
+    names rank 1 only, in one message, and exits 1: no run_summary.json."""
+    monkeypatch.setenv(faults.STALL, "1:2")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    flags = ["--launcher", "torchrun", "--nproc_per_node", "2", "--main_process_port", "0",
+             "--threads_per_process", "1", "--stall_seconds", "40"]  # fmt: skip
+    assert launch.main(launch.parse_args([*flags, "--", *train_args(out, steps=4)])) == 1
+    messages = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith(("error: ", "warning: "))]
+    assert messages == [
+        "error: rank 1 made no progress for 40 s (last report: rank 1: training, step 2); helpers.launch "
+        f"stopped the job. Outputs incomplete: {out / 'run_summary.json'} was not written."
+    ]
+    status = json.loads((out / "launch" / "status" / "rank0.json").read_text())
+    assert (status["state"], status["step"]) == ("waiting", 3)

@@ -1,0 +1,203 @@
+"""Per-rank status for :mod:`helpers.launch`: which ranks started, which still run, who progresses.
+
+Under mpirun the launcher sees one process (mpirun), under torchrun one per node: neither tells
+when a single rank ends. So the launcher sets ``WORKSHOP_STATUS_DIR`` (a folder every rank sees
+at the same path, ``<output_dir>/launch/status``) and each rank of ``helpers.train``:
+
+* holds an exclusive ``flock`` on ``rank<R>.lock`` from its start until the process is gone. The
+  kernel drops the lock whichever way the process ends (exit, exception, SIGKILL, a hang in
+  interpreter teardown finally killed), so "lock free" means "exited", with no clock involved;
+* rewrites ``rank<R>.json`` (host, pid, state, step, a beat counter) at every step and phase.
+  The launcher times progress with its own clock: a rank whose beat counter has not moved for
+  ``stall_seconds`` is stalled. A rank whose state is ``waiting`` (in a barrier while rank 0
+  validates or saves) is not judged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers.files import write_text_atomic
+
+STATUS_DIR_ENV = "WORKSHOP_STATUS_DIR"
+WAITING = "waiting"
+
+
+def rank_from_env() -> int | None:
+    """This process's global rank as the launchers set it (torchrun, Hydra/PMI, Open MPI)."""
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+# --- in the rank ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Reporter:
+    folder: Path
+    rank: int
+    lock_fd: int
+    beats: int = 0
+
+
+_reporter: _Reporter | None = None
+
+
+def start() -> None:
+    """Take this rank's lock and report ``started`` (no-op unless the launcher set the folder)."""
+    global _reporter
+    folder, rank = os.environ.get(STATUS_DIR_ENV), rank_from_env()
+    if not folder or rank is None or _reporter is not None:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    # Never closed: the kernel releases the lock when the process is gone, not before.
+    fd = os.open(Path(folder) / f"rank{rank}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _reporter = _Reporter(Path(folder), rank, fd)
+    beat("started")
+
+
+def beat(state: str, step: int | None = None) -> None:
+    """Report progress: ``state`` (e.g. ``training``, ``saving``, ``waiting``) and the step."""
+    r = _reporter
+    if r is None:
+        return
+    r.beats += 1
+    status = {"rank": r.rank, "host": socket.gethostname(), "pid": os.getpid(), "state": state,
+              "step": step, "beats": r.beats}  # fmt: skip
+    write_text_atomic(r.folder / f"rank{r.rank}.json", json.dumps(status))
+
+
+# --- in the launcher -----------------------------------------------------------------------------
+
+
+def prepare(folder: str | os.PathLike) -> Path:
+    """Empty the status folder before a job starts (an earlier run's free locks read as exited)."""
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _lock_held(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the shared lock if it was granted
+    return False
+
+
+@dataclass
+class RankState:
+    """What the launcher knows of one rank."""
+
+    rank: int
+    alive: bool
+    status: dict = field(default_factory=dict)
+    exited_at: float | None = None  # launcher's monotonic clock
+    progress_at: float = 0.0  # when its beat counter last moved
+
+
+class Watcher:
+    """Polls the status folder; says which ranks exited, which still run, which stalled."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.ranks: dict[int, RankState] = {}
+
+    def poll(self, now: float | None = None) -> dict[int, RankState]:
+        now = time.monotonic() if now is None else now
+        for lock in self.folder.glob("rank*.lock"):
+            rank = int(lock.stem[4:])
+            state = self.ranks.get(rank) or RankState(rank, True, progress_at=now)
+            self.ranks[rank] = state
+            try:
+                status = json.loads((self.folder / f"rank{rank}.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                status = state.status
+            if status.get("beats") != state.status.get("beats"):
+                state.progress_at = now
+            state.status = status
+            if state.alive and not _lock_held(lock):
+                state.alive, state.exited_at = False, now
+        return self.ranks
+
+    def first_exit(self) -> tuple[int, float] | None:
+        """The rank that exited first and when, if any did."""
+        done = [(s.exited_at, r) for r, s in self.ranks.items() if s.exited_at is not None]
+        return (min(done)[1], min(done)[0]) if done else None
+
+    def running(self) -> list[int]:
+        return sorted(r for r, s in self.ranks.items() if s.alive)
+
+    def stalled(self, now: float, stall_seconds: float) -> list[int]:
+        """Alive ranks whose beats have not moved for ``stall_seconds``.
+
+        A rank reporting ``waiting`` (in a collective, or a barrier while rank 0 saves) waits for a
+        stalled one and is not named, unless every rank alive is stale and waiting: then the
+        collective itself hangs and all of them are named.
+        """
+        alive = {r: s for r, s in self.ranks.items() if s.alive}
+        stale = sorted(r for r, s in alive.items() if now - s.progress_at > stall_seconds)
+        working = [r for r in stale if alive[r].status.get("state") != WAITING]
+        return working or (stale if len(stale) == len(alive) else [])
+
+    def verdict(
+        self, now: float, exit_grace: float, stall_seconds: float, launcher_running: bool
+    ) -> tuple[list[int], str] | None:
+        """The ranks to stop and why (one sentence), or None while the job is fine."""
+        first, running = self.first_exit(), self.running()
+        if first is not None and now - first[1] > exit_grace:
+            if running:
+                return running, (
+                    f"{_ranks(running)} did not end within {exit_grace:g} s of rank {first[0]} exiting; "
+                    f"helpers.launch stopped {'it' if len(running) == 1 else 'them'}."
+                )
+            last = max(s.exited_at or 0.0 for s in self.ranks.values())
+            if launcher_running and now - last > exit_grace:
+                return [], (
+                    f"every rank exited, but the launcher did not end within {exit_grace:g} s; "
+                    "helpers.launch stopped it."
+                )
+        stalled = self.stalled(now, stall_seconds)
+        if stalled:
+            where = "; ".join(
+                f"rank {r}: {self.ranks[r].status.get('state', 'started')}, step {self.ranks[r].status.get('step')}"
+                for r in stalled
+            )
+            return stalled, (
+                f"{_ranks(stalled)} made no progress for {stall_seconds:g} s (last report: {where}); "
+                "helpers.launch stopped the job."
+            )
+        return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def outputs(output_dir: str | None, since: float) -> tuple[bool | None, str]:
+    """Whether the run finished its outputs (``run_summary.json`` written since ``since``), in words."""
+    if output_dir is None:
+        return None, "Outputs unknown: no output_dir known to helpers.launch."
+    from helpers.textual_inversion import SUMMARY
+
+    path = Path(output_dir) / SUMMARY
+    if path.is_file() and path.stat().st_mtime >= since - 1:
+        return True, f"Outputs complete: {path} was written."
+    return False, f"Outputs incomplete: {path} was not written."

@@ -1,0 +1,82 @@
+"""helpers.supervise: a rank's lock says whether it runs, its beats whether it progresses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from helpers import supervise
+
+RANK = """
+from helpers import supervise
+import sys, time
+supervise.start()
+supervise.beat(sys.argv[1], 7)
+time.sleep(60)
+"""
+
+
+def start_rank(folder, rank: int, state: str) -> subprocess.Popen:
+    env = dict(os.environ, RANK=str(rank), **{supervise.STATUS_DIR_ENV: str(folder)})
+    proc = subprocess.Popen([sys.executable, "-c", RANK, state], env=env)
+    deadline = time.monotonic() + 60
+    while (
+        not (folder / f"rank{rank}.json").is_file()
+        or '"beats": 2' not in (folder / f"rank{rank}.json").read_text()
+    ):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    return proc
+
+
+def test_watcher_sees_exit_stall_and_waiting_ranks(tmp_path):
+    folder = supervise.prepare(tmp_path / "status")
+    ranks = {0: start_rank(folder, 0, "training"), 1: start_rank(folder, 1, supervise.WAITING)}
+    try:
+        watcher = supervise.Watcher(folder)
+        watcher.poll(now=100.0)
+        assert watcher.running() == [0, 1] and watcher.first_exit() is None
+        status = watcher.ranks[0].status
+        assert (status["rank"], status["pid"], status["state"], status["step"]) == (
+            0,
+            ranks[0].pid,
+            "training",
+            7,
+        )
+        assert watcher.verdict(130.0, 5, 30, launcher_running=True) is None  # 30 s: not yet more than 30
+        assert watcher.stalled(131.0, 30) == [0]  # rank 1 waits (for rank 0)
+        assert watcher.verdict(131.0, 5, 30, launcher_running=True) == (
+            [0],
+            "rank 0 made no progress for 30 s (last report: rank 0: training, step 7); helpers.launch stopped the job.",
+        )
+        ranks[0].kill()
+        ranks[0].wait()
+        watcher.poll(now=140.0)
+        assert watcher.running() == [1] and watcher.first_exit() == (0, 140.0)
+        assert watcher.stalled(200.0, 30) == [1]  # the only rank left, stale and waiting: named
+        assert watcher.verdict(145.0, 5, 900, launcher_running=True) is None  # 5 s: not yet more than 5
+        assert watcher.verdict(145.5, 5, 900, launcher_running=True) == (
+            [1],
+            "rank 1 did not end within 5 s of rank 0 exiting; helpers.launch stopped it.",
+        )
+    finally:
+        for p in ranks.values():
+            p.kill()
+            p.wait()
+
+
+def test_outputs_complete_only_when_the_summary_was_written_by_this_run(tmp_path):
+    summary = tmp_path / "run_summary.json"
+    assert supervise.outputs(str(tmp_path), time.time()) == (
+        False,
+        f"Outputs incomplete: {summary} was not written.",
+    )
+    summary.write_text("{}")
+    assert supervise.outputs(str(tmp_path), time.time()) == (
+        True,
+        f"Outputs complete: {summary} was written.",
+    )
+    assert supervise.outputs(str(tmp_path), time.time() + 60)[0] is False  # an earlier run's
+    assert supervise.outputs(None, 0.0) == (None, "Outputs unknown: no output_dir known to helpers.launch.")
