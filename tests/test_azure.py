@@ -349,7 +349,7 @@ def test_dry_run_script_refuses_to_run_with_placeholders(tmp_path):
 
 def test_execute_refuses_placeholders_and_missing_key_before_any_az_call(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(azure, "run_az", lambda argv: calls.append(argv))
+    monkeypatch.setattr(azure.azcli, "run_az", lambda argv: calls.append(argv))
     with pytest.raises(azure.AzureSpecError, match=r"placeholders \['<YOUR_PUBLIC_IP>'"):
         azure.apply(azure.plan(azure.ClusterSpec(ssh_source_cidr="<YOUR_PUBLIC_IP>/32")), dry_run=False)
     missing = tmp_path / "nokey.pub"
@@ -432,7 +432,7 @@ def test_apply_skips_what_exists_and_saves_the_state_atomically(spec, monkeypatc
             return azure.AzResult(0 if argv[0] in ("group", "network") else 3, None, "")
         return azure.AzResult(0, ROWS if argv[:2] == ("vm", "list") else {}, "")
 
-    monkeypatch.setattr(azure, "run_az", fake_az)
+    monkeypatch.setattr(azure.azcli, "run_az", fake_az)
     commands = azure.plan(spec)
     result = azure.apply(commands, dry_run=False)
     assert result.skipped == [1, 2, 6, 7, 8, 9] and result.ran == [3, 4, 5, 10, 11, 12, 13, 14]
@@ -449,7 +449,7 @@ def test_apply_skips_what_exists_and_saves_the_state_atomically(spec, monkeypatc
 @pytest.mark.parametrize("confirm", [None, "", "yes", "other-rg"])
 def test_teardown_without_the_right_confirmation_refuses(spec, monkeypatch, confirm):
     calls = []
-    monkeypatch.setattr(azure, "run_az", lambda argv: calls.append(argv))
+    monkeypatch.setattr(azure.azcli, "run_az", lambda argv: calls.append(argv))
     with pytest.raises(azure.AzureSpecError, match="Fix: pass confirm='sd-workshop-rg'"):
         azure.teardown(spec, confirm=confirm)
     assert calls == []
@@ -458,13 +458,13 @@ def test_teardown_without_the_right_confirmation_refuses(spec, monkeypatch, conf
 def test_teardown_deletes_the_group_and_the_local_state(spec, monkeypatch):
     calls = []
     monkeypatch.setattr(
-        azure, "run_az", lambda argv: calls.append(tuple(argv)) or azure.AzResult(0, None, "")
+        azure.azcli, "run_az", lambda argv: calls.append(tuple(argv)) or azure.AzResult(0, None, "")
     )
     azure.ClusterState.from_vm_list(ROWS).save(Path(spec.output_dir) / "state.json")
     azure.teardown(spec, confirm="sd-workshop-rg")
     assert calls == [("group", "delete", "--name", "sd-workshop-rg", "--yes")]
     assert not (Path(spec.output_dir) / "state.json").exists()
-    monkeypatch.setattr(azure, "run_az", lambda argv: azure.AzResult(3, None, "ResourceGroupNotFound"))
+    monkeypatch.setattr(azure.azcli, "run_az", lambda argv: azure.AzResult(3, None, "ResourceGroupNotFound"))
     azure.teardown(spec, confirm="sd-workshop-rg")  # already gone: nothing to do, no error
     script = azure.to_script(azure.teardown_plan(spec))
     assert script.endswith(
@@ -575,7 +575,7 @@ def test_cli_plan_apply_teardown_ssh_config(spec, tmp_path, capsys, monkeypatch)
     assert capsys.readouterr().out == azure.apply(azure.plan(azure.load_spec(config)))
     azure.main(azure.parse_args(["teardown", "--config", str(config)]))
     assert "az group delete --name sd-workshop-rg --yes" in capsys.readouterr().out
-    monkeypatch.setattr(azure, "run_az", lambda argv: pytest.fail("must not call az"))
+    monkeypatch.setattr(azure.azcli, "run_az", lambda argv: pytest.fail("must not call az"))
     with pytest.raises(azure.AzureSpecError, match="pass confirm="):
         azure.main(azure.parse_args(["teardown", "--config", str(config), "--execute"]))
     azure.ClusterState.from_vm_list(ROWS).save(Path(spec.output_dir) / "state.json")
@@ -583,6 +583,34 @@ def test_cli_plan_apply_teardown_ssh_config(spec, tmp_path, capsys, monkeypatch)
     assert (Path(spec.output_dir) / "hostfile").read_text() == "10.42.1.4\n10.42.1.5\n10.42.1.6\n"
     with pytest.raises(SystemExit):
         azure.parse_args(["deploy", "--config", str(config)])
+
+
+def test_cli_reports_bad_input_in_one_line_with_exit_2_and_az_failures_with_exit_1(
+    spec, tmp_path, capsys, monkeypatch
+):
+    assert azure.cli(["plan", "--config", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.yaml does not exist" in err and err.count("\n") == 1
+    config = tmp_path / "cluster.yaml"
+    config.write_text("ssh_source_cidr: [unclosed\n")
+    assert azure.cli(["plan", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: while parsing a flow sequence") and err.count("\n") == 1
+    config.write_text(yaml.safe_dump({"ssh_source_cidr": CIDR, "output_dir": spec.output_dir}))
+    monkeypatch.setattr(azure.azcli, "run_az", lambda argv: azure.AzResult(1, None, "AuthorizationFailed"))
+    assert azure.cli(["teardown", "--config", str(config), "--execute", "--confirm", "sd-workshop-rg"]) == 1
+    assert "AuthorizationFailed" in capsys.readouterr().err
+    assert azure.cli(["plan", "--config", str(config)]) == 0
+
+
+def test_python_dash_m_runs_the_package():
+    out = subprocess.run(
+        [sys.executable, "-m", "helpers.azure", "plan", "--config", "no-such.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and out.stderr.startswith("error: no-such.yaml does not exist")
 
 
 # --- notebook 01 -------------------------------------------------------------------------------

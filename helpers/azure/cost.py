@@ -1,0 +1,63 @@
+"""An estimate of what the cluster costs while it exists, from the dated prices in :mod:`helpers.azure_data`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helpers import azure_data
+from helpers.azure.spec import AzureSpecError, ClusterSpec
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """An ESTIMATE of what the cluster costs while it exists (not a quote)."""
+
+    per_hour: float
+    hours: float
+    items: tuple[tuple[str, float], ...]
+
+    @property
+    def total(self) -> float:
+        return round(self.per_hour * self.hours, 2)
+
+    def __str__(self) -> str:
+        lines = [f"ESTIMATE, not a quote: ${self.per_hour:.3f}/hour, ${self.total:.2f} for {self.hours:g} h"]
+        lines += [f"  {name}: ${price:.3f}/h" for name, price in self.items]
+        lines += [
+            f"  {azure_data.NOT_ESTIMATED}.",
+            f"  Prices of {azure_data.PRICES_CHECKED_ON}: {azure_data.PRICES_SOURCE}",
+        ]
+        return "\n".join(lines)
+
+
+def estimate_cost(
+    spec: ClusterSpec, hours: float = 1.0, vm_price_per_hour: float | None = None
+) -> CostEstimate:
+    """Estimate the cost of the planned cluster: nodes x size price, NAT gateway, public IPs.
+
+    Args:
+        spec: the cluster.
+        hours: how long it will exist (billing runs until teardown, not only while training).
+        vm_price_per_hour: price of one VM, for sizes missing from the price table.
+
+    Returns:
+        The estimate; ``str()`` of it is a labelled, dated breakdown.
+
+    Raises:
+        AzureSpecError: the size has no price in the table and none was given.
+    """
+    row = azure_data.size_series(spec.vm_size)
+    if vm_price_per_hour is None:
+        cpus = azure_data.vcpus(spec.vm_size)
+        if row is None or row.usd_per_vcpu_hour is None or cpus is None:
+            raise AzureSpecError(
+                f"vm_size={spec.vm_size!r}: no price in helpers.azure_data (checked {azure_data.PRICES_CHECKED_ON}). "
+                "Fix: pass vm_price_per_hour= from https://azure.microsoft.com/pricing/calculator/"
+            )
+        vm_price_per_hour = round(row.usd_per_vcpu_hour * cpus, 4)
+    items = (
+        (f"{spec.node_count} x {spec.vm_size}", round(spec.node_count * vm_price_per_hour, 4)),
+        ("NAT gateway", azure_data.NAT_GATEWAY_USD_PER_HOUR),
+        ("2 public IPs (head, NAT)", 2 * azure_data.PUBLIC_IP_USD_PER_HOUR),
+    )
+    return CostEstimate(round(sum(price for _, price in items), 4), hours, items)
