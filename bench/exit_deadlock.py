@@ -4,7 +4,8 @@
 
 Each run is ``python -m helpers.launch --nproc_per_node 2`` on the tiny model with
 ``WORKSHOP_TEST_EXIT_DELAY`` set (see :mod:`helpers.faults`); a run still going after
-``--timeout`` seconds is a hang and is killed with its whole process tree. ``--checkout`` runs
+``--timeout`` seconds is a hang and is killed with its whole process tree; so is one whose
+rank helpers.launch had to stop ("did not end within" in its last lines). ``--checkout`` runs
 another checkout's code (e.g. a ``git worktree`` of an older commit) with this machine's
 environment. Prints one JSON object: runs, ok, failed, hung (of which hung_after_outputs: killed
 with ``run_summary.json`` written, i.e. hung at exit, not slow), seconds per run.
@@ -38,6 +39,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.runs):
         outcome = jobs.run_job(flags, timeout=args.timeout, cwd=args.checkout,
                                env={faults.EXIT_DELAY: str(args.delay)}, own_work_dir=True)  # fmt: skip
+        if any("did not end within" in line for line in outcome.tail):  # helpers.launch stopped a hung rank
+            outcome.status = "hung"
         done = "outputs complete" if outcome.outputs_complete else "outputs incomplete"
         print(f"run {i + 1}/{args.runs}: {outcome.status} after {outcome.seconds:.1f} s, {done}", flush=True)
         outcomes.append(outcome)

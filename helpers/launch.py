@@ -277,10 +277,16 @@ def _stop(
             subprocess.run(kill, capture_output=True, timeout=30, check=False)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and (
-            any(p.poll() is None for p in procs)
-            or any(c.is_running() and c.status() != "zombie" for c in tree)
+            any(p.poll() is None for p in procs) or any(map(_alive, tree))
         ):
             time.sleep(0.1)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def run_job(

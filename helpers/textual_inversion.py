@@ -596,6 +596,7 @@ def train(config: TrainConfig) -> TrainResult:
         "placeholder_tokens": tokens,
         "trainable_parameters": vectors.numel(),
         "allreduce_bytes_per_step": counter.bytes // max(counter.calls, 1),
+        "allreduce_calls": counter.calls,  # one per optimizer step, none per accumulated micro-batch
         "full_matrix_allreduce_bytes_per_step": text_encoder.get_input_embeddings().weight.numel() * 4,
         "embeddings_identical_across_ranks": identical,
         "threads_per_process": torch.get_num_threads(),

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bench import allreduce, common, optimisations, report, train_step
+from bench import allreduce, common, optimisations, report, stress_launch, train_step
 from bench import inference as bench_inference
 from helpers import data, inference, models
 
@@ -305,3 +305,23 @@ def test_inference_benchmark_on_tiny(tmp_path):
     assert result["psnr_vs_pytorch_db"]["openvino_static"] > inference.IMAGE_PSNR_MIN_DB
     assert result["model_megabytes"]["int8"] < result["model_megabytes"]["fp32"]
     assert "openvino_static_int8" in bench_inference.report(result)
+
+
+def test_stress_percentiles_are_nearest_rank():
+    values = [float(v) for v in range(20, 0, -1)]
+    assert stress_launch.percentile(values, 50) == 10.0 and stress_launch.percentile(values, 95) == 19.0
+    assert stress_launch.percentile([3.0], 95) == 3.0 and stress_launch.percentile([], 50) is None
+
+
+@pytest.mark.slow
+def test_stress_launch_on_tiny(tmp_path):
+    """Two runs (mpirun, then torchrun) beside one busy process and 0.1 GiB held: both end cleanly."""
+    out = tmp_path / "stress.json"
+    args = stress_launch.parse_args(
+        ["--runs", "2", "--cpu_load", "1", "--memory_gb", "0.1", "--out", str(out)]
+    )
+    report = stress_launch.main(args)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report, default=str))
+    assert (report["runs"], report["ok"], report["failures"], report["hangs"]) == (2, 2, 0, 0)
+    assert report["problems"] == [] and report["load"] == {"cpu_processes": 1, "memory_gb": 0.1}
+    assert 0 < report["p50_seconds"] <= report["p95_seconds"]

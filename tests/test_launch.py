@@ -254,13 +254,14 @@ def test_cli_rejects_bad_launch_options_before_starting_anything(tmp_path, capsy
 STEPS = 2
 
 
-def train_args(out: Path, steps: int = STEPS, batch: int = 1) -> list[str]:
+def train_args(out: Path, steps: int = STEPS, batch: int = 1, accumulation: int = 1) -> list[str]:
     return [
         "--pretrained_model_name_or_path", "tiny", "--train_data_dir", str(data.sample_concept_dir()),
         "--placeholder_token", "<dicoo>", "--initializer_token", "toy", "--resolution", "64",
         "--max_train_steps", str(steps), "--train_batch_size", str(batch), "--seed", "0",
         "--adam_weight_decay", "0", "--save_steps", "1000", "--checkpointing_steps", "1000",
         "--output_dir", str(out), "--mixed_precision", "no",  # fp32: the same numbers on every CPU
+        "--gradient_accumulation_steps", str(accumulation),
     ]  # fmt: skip
 
 
@@ -272,20 +273,23 @@ def learned(out: Path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory) -> dict[str, Path]:
-    """The same steps: through mpirun (2 x batch 1), torchrun (2 x batch 1), one process (batch 2)."""
+    """The same steps: through mpirun (2 x batch 1), torchrun (2 x batch 1), one process (batch 2);
+    and 2 x batch 1 x 2 accumulated micro-batches (mpirun) against one process with batch 4."""
     pytest.importorskip("helpers.train")
     root = tmp_path_factory.mktemp("engine")
     runs = {}
-    for launcher in ("mpirun", "torchrun"):
-        out = root / launcher
+    for name, launcher, accumulation in [("mpirun", "mpirun", 1), ("torchrun", "torchrun", 1),
+                                         ("mpirun_accumulated", "mpirun", 2)]:  # fmt: skip
+        out = root / name
         layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
-        commands = launch.prepare_job(layout, train_args(out), launcher, work_dir=root / f"{launcher}_launch")
-        launch.run_job(commands, stream=io.StringIO(), cwd=root, timeout=300).raise_for_failure()
-        runs[launcher] = out
-    single = subprocess.run([sys.executable, "-m", "helpers.train", *train_args(root / "single", batch=2)],
-                            capture_output=True, text=True, timeout=300, cwd=root)  # fmt: skip
-    assert single.returncode == 0, single.stderr[-3000:]
-    runs["single"] = root / "single"
+        commands = launch.prepare_job(layout, train_args(out, accumulation=accumulation), launcher)
+        launch.run_job(commands, stream=io.StringIO(), cwd=root, timeout=600).raise_for_failure()
+        runs[name] = out
+    for name, batch in [("single", 2), ("single_batch_4", 4)]:
+        single = subprocess.run([sys.executable, "-m", "helpers.train", *train_args(root / name, batch=batch)],
+                                capture_output=True, text=True, timeout=600, cwd=root)  # fmt: skip
+        assert single.returncode == 0, single.stderr[-3000:]
+        runs[name] = root / name
     return runs
 
 
@@ -297,6 +301,7 @@ def test_two_ranks_train_and_end_bitwise_identical(engine_runs, launcher):
     assert summary["embeddings_identical_across_ranks"] is True
     hidden, num_vectors = 32, 1  # the tiny text encoder
     assert summary["allreduce_bytes_per_step"] == num_vectors * hidden * 4
+    assert summary["allreduce_calls"] == STEPS  # one synchronous all-reduce per step
     assert summary["full_matrix_allreduce_bytes_per_step"] >= 10_000 * summary["allreduce_bytes_per_step"]
     history = json.loads((engine_runs[launcher] / "history.json").read_text())
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
@@ -316,9 +321,7 @@ def test_two_processes_batch_1_equal_one_process_batch_2(engine_runs):
 
     from helpers import models
 
-    losses = {
-        r: [h["loss"] for h in json.loads((engine_runs[r] / "history.json").read_text())] for r in engine_runs
-    }
+    losses = {r: history_losses(engine_runs[r]) for r in engine_runs}
     assert losses["mpirun"] == pytest.approx(losses["single"], rel=1e-5)
     single, two = learned(engine_runs["single"]), learned(engine_runs["mpirun"])
     torch.testing.assert_close(two, single, rtol=0, atol=2e-5)
@@ -326,6 +329,27 @@ def test_two_processes_batch_1_equal_one_process_batch_2(engine_runs):
     encoder = CLIPTextModel.from_pretrained(models.resolve_model("tiny"), subfolder="text_encoder")
     start = encoder.get_input_embeddings().weight[5988].detach()  # "toy", the initializer token
     assert (single.reshape(-1) - start).abs().max() > 5e-4  # the runs moved it by more than one step
+
+
+def history_losses(out: Path) -> list[float]:
+    return [h["loss"] for h in json.loads((out / "history.json").read_text())]
+
+
+@pytest.mark.slow
+def test_accumulated_micro_batches_across_processes_equal_one_big_batch(engine_runs):
+    """2 processes x batch 1 x 2 micro-batches: the gradient is all-reduced once per step, after
+    the second micro-batch, and equals one process's batch 4 (same 4 samples, same draws; the
+    tolerance as in the test above)."""
+    two, one = engine_runs["mpirun_accumulated"], engine_runs["single_batch_4"]
+    summary = json.loads((two / "run_summary.json").read_text())
+    assert (summary["steps"], summary["allreduce_calls"], summary["allreduce_bytes_per_step"]) == (
+        STEPS,
+        STEPS,
+        128,
+    )
+    assert history_losses(two) == pytest.approx(history_losses(one), rel=1e-5)
+    torch.testing.assert_close(learned(two), learned(one), rtol=0, atol=2e-5)
+    assert not torch.equal(learned(two), learned(engine_runs["mpirun"]))  # 4 images per step, not 2
 
 
 @pytest.mark.notebooks

@@ -233,6 +233,7 @@ def test_run_outputs(two_vector_run):
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 6 and summary["trainable_parameters"] == 64
     assert summary["full_matrix_allreduce_bytes_per_step"] == 49410 * 32 * 4
+    assert (summary["allreduce_calls"], summary["allreduce_bytes_per_step"]) == (0, 0)  # one process
     assert not list(out.rglob(".*.tmp"))  # nothing half-written left behind
 
 

@@ -1,0 +1,110 @@
+"""Stress the launcher: K consecutive 2-process tiny runs with CPU and memory load beside them.
+
+    python -m bench.stress_launch --runs 50 --cpu_load 2 --memory_gb 4 [--launcher mpirun|torchrun|both]
+
+Each run is ``python -m helpers.launch --nproc_per_node 2`` on the tiny model (a few seconds when
+the machine is idle) while ``--cpu_load`` busy processes and one process holding ``--memory_gb``
+GiB (pages touched every second) run beside it. A run still going after ``--timeout`` seconds,
+or whose rank helpers.launch had to stop ("did not end within"), is a hang; a non-zero exit is a
+failure. Writes runs, failures, hangs, and p50/p95 wall time to ``bench/results/stress_launch.json``
+(atomically) and prints it. Not part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench import common, jobs
+
+_BURN = "while True: pass"
+_HOLD = """
+import sys, time
+block = bytearray(int(float(sys.argv[1]) * 2**30))
+while True:
+    for i in range(0, len(block), 4096):
+        block[i] = (block[i] + 1) % 256
+    time.sleep(1)
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.stress_launch", description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--launcher", choices=("mpirun", "torchrun", "both"), default="both",
+                        help="both: alternate run by run")  # fmt: skip
+    parser.add_argument("--cpu_load", type=int, default=2, help="busy processes beside the runs")
+    parser.add_argument("--memory_gb", type=float, default=4.0, help="GiB held (and touched) beside the runs")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a run counts as hung")
+    parser.add_argument("--out", default=str(common.RESULTS / "stress_launch.json"))
+    return parser.parse_args(argv)
+
+
+@contextmanager
+def load(cpu: int, memory_gb: float) -> Iterator[None]:
+    """Busy processes and a memory holder for the duration (killed after)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(cpu)]
+    if memory_gb > 0:
+        procs.append(subprocess.Popen([sys.executable, "-c", _HOLD, str(memory_gb)]))
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    launchers = ["mpirun", "torchrun"] if args.launcher == "both" else [args.launcher]
+    rows = []
+    with load(args.cpu_load, args.memory_gb):
+        for i in range(args.runs):
+            launcher = launchers[i % len(launchers)]
+            flags = ["--launcher", launcher, "--nproc_per_node", "2", "--main_process_port", "0"]
+            outcome = jobs.run_job(flags, timeout=args.timeout)
+            if any("did not end within" in line for line in outcome.tail):
+                outcome.status = "hung"  # helpers.launch had to stop a rank
+            rows.append({"launcher": launcher, "status": outcome.status, "seconds": round(outcome.seconds, 2),
+                         "tail": outcome.tail if outcome.status != "ok" else []})  # fmt: skip
+            print(
+                f"run {i + 1}/{args.runs} ({launcher}): {outcome.status} in {outcome.seconds:.1f} s",
+                flush=True,
+            )
+    seconds = [r["seconds"] for r in rows]
+    report = {
+        "benchmark": "stress_launch",
+        "machine": common.machine(),
+        "load": {"cpu_processes": args.cpu_load, "memory_gb": args.memory_gb},
+        "timeout_seconds": args.timeout,
+        "runs": len(rows),
+        "ok": sum(r["status"] == "ok" for r in rows),
+        "failures": sum(r["status"] == "failed" for r in rows),
+        "hangs": sum(r["status"] == "hung" for r in rows),
+        "p50_seconds": percentile(seconds, 50),
+        "p95_seconds": percentile(seconds, 95),
+        "measured": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "problems": [r for r in rows if r["status"] != "ok"],
+    }
+    common.write_json(Path(args.out), report)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("machine", "problems")}, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main(parse_args())
