@@ -32,7 +32,6 @@ import os
 import queue
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -239,56 +238,6 @@ def _process(cmd: LaunchCommand, ssh: Sequence[str], cwd: str) -> tuple[list[str
     return [*ssh, "-tt", "-o", "BatchMode=yes", cmd.host, remote], env
 
 
-def _tree(procs: Sequence[subprocess.Popen]) -> list[psutil.Process]:
-    """The commands' descendants here (ranks, proxies), found before any is signalled."""
-    found = []
-    for p in procs:
-        try:
-            found += psutil.Process(p.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
-def _stop(
-    procs: Sequence[subprocess.Popen],
-    wait: float = 5.0,
-    ranks: Sequence[tuple[str, int]] = (),
-    ssh: Sequence[str] = ("ssh",),
-) -> None:
-    """TERM, then KILL: each command's process group, every descendant here (a rank may have
-    left the group), and ``ranks`` given as ``(host, pid)`` on other hosts, over ssh."""
-    tree = _tree(procs)
-    remote = [(h, pid) for h, pid in ranks if not distributed.is_local_host(h)]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-        for child in tree:
-            try:
-                child.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        for host, pid in remote:
-            kill = [*ssh, "-o", "BatchMode=yes", host, f"kill -{sig.name[3:]} {pid}"]
-            subprocess.run(kill, capture_output=True, timeout=30, check=False)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and (
-            any(p.poll() is None for p in procs) or any(map(_alive, tree))
-        ):
-            time.sleep(0.1)
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def run_job(
     commands: Sequence[LaunchCommand],
     *,
@@ -316,7 +265,11 @@ def run_job(
 
     Returns:
         The :class:`JobResult`; call ``raise_for_failure()`` to turn a failure into an exception.
+
+    Raises:
+        DistributedError: ``exit_grace_seconds`` or ``stall_seconds`` not positive (nothing started).
     """
+    _check_seconds(exit_grace_seconds=exit_grace_seconds, stall_seconds=stall_seconds)
     cwd = os.path.abspath(cwd or os.getcwd())
     status_dir, output_dir = commands[0].status_dir, commands[0].output_dir
     watcher = supervise.Watcher(supervise.prepare(status_dir)) if status_dir else None
@@ -357,14 +310,14 @@ def run_job(
                 logger.warning("stopping the job: %s", why)
                 alive = [(s.status["host"], s.status["pid"]) for s in (watcher.ranks.values() if watcher else [])
                          if s.alive and "pid" in s.status]  # fmt: skip
-                _stop(procs, ranks=alive, ssh=ssh)
+                supervise.stop(procs, ranks=alive, ssh=ssh)
                 killed, stopped_at = True, now
             if all(p.poll() is not None for p in procs):
                 ended_at = ended_at or now
                 if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
                     break
     except BaseException:
-        _stop(procs)  # KeyboardInterrupt in a notebook must not leave ranks running
+        supervise.stop(procs)  # KeyboardInterrupt in a notebook must not leave ranks running
         raise
     finally:
         if log:
@@ -488,12 +441,7 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         DistributedError: one line naming the option and the fix.
     """
-    for flag in ("exit_grace_seconds", "stall_seconds"):
-        if getattr(args, flag) <= 0:
-            raise distributed.DistributedError(
-                f"--{flag} {getattr(args, flag):g}: must be more than 0 seconds; pass e.g. "
-                f"{60 if flag == 'exit_grace_seconds' else 900} (the default)"
-            )
+    _check_seconds(exit_grace_seconds=args.exit_grace_seconds, stall_seconds=args.stall_seconds, cli=True)
     if args.dry_run:  # printing commands for a cluster need not reach it from here
         return
     if args.network_interface:
@@ -510,6 +458,19 @@ def check_args(args: argparse.Namespace) -> None:
                     f"--hostfile {args.hostfile}: host {host!r} does not resolve; correct the name, or add it "
                     "to /etc/hosts or to the ssh config (Host/HostName)"
                 )
+
+
+_DEFAULT_SECONDS = {"exit_grace_seconds": 60, "stall_seconds": 900}
+
+
+def _check_seconds(cli: bool = False, **values: float) -> None:
+    """Reject a supervision time that is not positive (one line naming it, as flag or argument)."""
+    for name, value in values.items():
+        if value <= 0:
+            given = f"--{name} {value:g}" if cli else f"{name}={value:g}"
+            raise distributed.DistributedError(
+                f"{given}: must be more than 0 seconds; pass e.g. {_DEFAULT_SECONDS[name]} (the default)"
+            )
 
 
 def _resolves(host: str) -> bool:

@@ -11,6 +11,9 @@ at the same path, ``<output_dir>/launch/status``) and each rank of ``helpers.tra
   The launcher times progress with its own clock: a rank whose beat counter has not moved for
   ``stall_seconds`` is stalled. A rank whose state is ``waiting`` (in a barrier while rank 0
   validates or saves) is not judged.
+
+:func:`stop` ends a job: TERM, then KILL, to the launchers' process trees here and to the ranks
+on other hosts (their host and pid come from the status files) over ssh.
 """
 
 from __future__ import annotations
@@ -19,12 +22,19 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
+from helpers.distributed import is_local_host
 from helpers.files import write_text_atomic
+from helpers.outputs import SUMMARY
 
 STATUS_DIR_ENV = "WORKSHOP_STATUS_DIR"
 WAITING = "waiting"
@@ -78,6 +88,56 @@ def beat(state: str, step: int | None = None) -> None:
 
 
 # --- in the launcher -----------------------------------------------------------------------------
+
+
+def _tree(procs: Sequence[subprocess.Popen]) -> list[psutil.Process]:
+    """The commands' descendants here (ranks, proxies), found before any is signalled."""
+    found = []
+    for p in procs:
+        try:
+            found += psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def stop(
+    procs: Sequence[subprocess.Popen],
+    wait: float = 5.0,
+    ranks: Sequence[tuple[str, int]] = (),
+    ssh: Sequence[str] = ("ssh",),
+) -> None:
+    """TERM, then KILL: each command's process group, every descendant here (a rank may have
+    left the group), and ``ranks`` given as ``(host, pid)`` on other hosts, over ssh."""
+    tree = _tree(procs)
+    remote = [(h, pid) for h, pid in ranks if not is_local_host(h)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        for child in tree:
+            try:
+                child.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        for host, pid in remote:
+            kill = [*ssh, "-o", "BatchMode=yes", host, f"kill -{sig.name[3:]} {pid}"]
+            subprocess.run(kill, capture_output=True, timeout=30, check=False)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and (
+            any(p.poll() is None for p in procs) or any(map(_alive, tree))
+        ):
+            time.sleep(0.1)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def prepare(folder: str | os.PathLike) -> Path:
@@ -195,8 +255,6 @@ def outputs(output_dir: str | None, since: float) -> tuple[bool | None, str]:
     """Whether the run finished its outputs (``run_summary.json`` written since ``since``), in words."""
     if output_dir is None:
         return None, "Outputs unknown: no output_dir known to helpers.launch."
-    from helpers.textual_inversion import SUMMARY
-
     path = Path(output_dir) / SUMMARY
     if path.is_file() and path.stat().st_mtime >= since - 1:
         return True, f"Outputs complete: {path} was written."

@@ -246,6 +246,10 @@ def test_cli_rejects_bad_launch_options_before_starting_anything(tmp_path, capsy
         assert launch.main(launch.parse_args([*flags, *train])) == 2
         assert capsys.readouterr().err == f"error: {message}\n"
     assert not (tmp_path / "out").exists()  # no config written, so no process started
+    with pytest.raises(
+        d.DistributedError, match=r"^stall_seconds=-3: must be more than 0 seconds; pass e\.g\. 900"
+    ):
+        launch.run_job([d.LaunchCommand(argv=("false",))], stall_seconds=-3)
 
 
 # --- the engine across processes ----------------------------------------------------------------------
