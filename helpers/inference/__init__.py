@@ -1,0 +1,110 @@
+"""Inference of the learned concept with PyTorch and OpenVINO: export, static shapes, parity, timing.
+
+The concept reaches a pipeline by one of two routes, both supported and tested:
+
+* the full fine-tuned folder that training writes with ``--save_as_full_pipeline``
+  (``output_dir/pipeline``): its tokenizer and text encoder already hold the placeholder token;
+* the base model plus ``output_dir/learned_embeds.safetensors``, loaded afterwards with
+  ``load_textual_inversion`` (diffusers' for PyTorch, optimum-intel's for OpenVINO).
+
+Runs are comparable across backends: :func:`generate` gives every pipeline the same initial
+latents (drawn from a CPU ``torch.Generator`` seeded with ``seed``, the same generator then
+feeds any scheduler noise), the scheduler is the one exported with the model (same class and
+config, checked by :func:`compare`), and the prompts are identical. What differs is the backend.
+
+Three optimum-intel 2.2 pitfalls are handled here (found on the tiny pipeline, see the tests):
+
+* ``load_textual_inversion`` on an OpenVINO pipeline a second time re-wires the original
+  embedding table and silently gives the earlier tokens the wrong vectors: a second load is refused;
+* after int8 weight compression the embedding table is uint8 and ``load_textual_inversion`` fails
+  with an obscure graph error: embeddings are inserted first, then weights are compressed (and a
+  load into a compressed text encoder is refused with a clear message);
+* ``reshape()`` sizes the static VAE decoder by ``num_images_per_prompt`` alone, so a static batch
+  of several prompts fails: :func:`reshape_static` sizes it by ``batch_size * num_images_per_prompt``.
+
+And one of OpenVINO 2026.4's CPU plugin: a UNet with int8 weights whose mid-block is 1x1 (the tiny
+pipeline at 64 px; SD v1.5 at 64 px) fails to compile with static shapes. Use 128 px or more there.
+
+The parts: :mod:`~helpers.inference.concept` (where the concept is, checked before any work),
+:mod:`~helpers.inference.pytorch` and :mod:`~helpers.inference.openvino` (the two backends),
+:mod:`~helpers.inference.generation` (same latents, timing, saving), :mod:`~helpers.inference.parity`
+(OpenVINO against PyTorch), :mod:`~helpers.inference.command` (the CLI), and
+:mod:`~helpers.inference.common` (the error, tolerances, variant names). Everything is re-exported
+here: ``from helpers import inference; inference.generate(...)``.
+"""
+
+from helpers.inference.command import cli, main, parse_args
+from helpers.inference.common import (
+    BF16_VARIANT,
+    EXPORT_INFO,
+    IMAGE_PSNR_MIN_DB,
+    PSNR_IDENTICAL_DB,
+    ROUTES,
+    TEXT_ENCODER_ATOL,
+    VARIANTS,
+    WEIGHT_FORMATS,
+    InferenceInputError,
+)
+from helpers.inference.concept import ConceptSource, check_concept, find_concept, read_learned_embeds
+from helpers.inference.generation import Generation, generate, initial_latents, save_images, timing_rows
+from helpers.inference.openvino import (
+    disk_megabytes,
+    export_info,
+    export_openvino,
+    insert_learned_embeds,
+    load_openvino_pipeline,
+    openvino_default_precision,
+    reshape_static,
+)
+from helpers.inference.parity import (
+    Parity,
+    compare,
+    image_max_abs_diff,
+    image_psnr,
+    prompt_ids,
+    text_embeddings,
+    text_encoder_max_abs_diff,
+)
+from helpers.inference.pytorch import load_learned_embeds, load_pytorch_pipeline
+from helpers.outputs import LEARNED_EMBEDS
+
+__all__ = [
+    "BF16_VARIANT",
+    "EXPORT_INFO",
+    "IMAGE_PSNR_MIN_DB",
+    "LEARNED_EMBEDS",
+    "PSNR_IDENTICAL_DB",
+    "ROUTES",
+    "TEXT_ENCODER_ATOL",
+    "VARIANTS",
+    "WEIGHT_FORMATS",
+    "ConceptSource",
+    "Generation",
+    "InferenceInputError",
+    "Parity",
+    "check_concept",
+    "cli",
+    "compare",
+    "disk_megabytes",
+    "export_info",
+    "export_openvino",
+    "find_concept",
+    "generate",
+    "image_max_abs_diff",
+    "image_psnr",
+    "initial_latents",
+    "insert_learned_embeds",
+    "load_learned_embeds",
+    "load_openvino_pipeline",
+    "load_pytorch_pipeline",
+    "main",
+    "openvino_default_precision",
+    "parse_args",
+    "prompt_ids",
+    "read_learned_embeds",
+    "reshape_static",
+    "save_images",
+    "text_embeddings",
+    "text_encoder_max_abs_diff",
+    "timing_rows",
+]

@@ -1,0 +1,5 @@
+"""``python -m helpers.inference``: see :mod:`helpers.inference.command`."""
+
+from helpers.inference.command import cli
+
+raise SystemExit(cli())

@@ -1,0 +1,42 @@
+"""What every part of :mod:`helpers.inference` shares: its error, its tolerances and variant names, and
+how to tell an OpenVINO pipeline (or export folder) from a PyTorch one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from helpers.errors import InputError
+
+VARIANTS = ("pytorch_fp32", "openvino_dynamic", "openvino_static", "openvino_static_int8")
+"""The variants timed on every CPU; where :func:`openvino_default_precision` is bf16, also this one:"""
+BF16_VARIANT = "openvino_static_bf16"
+WEIGHT_FORMATS = ("fp32", "int8")
+ROUTES = ("auto", "pipeline", "embeddings")
+TEXT_ENCODER_ATOL = 1e-4
+"""Max abs difference allowed between OpenVINO fp32 and PyTorch text-encoder outputs (far above what fp32 gives)."""
+IMAGE_PSNR_MIN_DB = 40.0
+"""Min PSNR (dB, uint8 images) of OpenVINO fp32 against PyTorch with the same latents (measured: bench/results)."""
+PSNR_IDENTICAL_DB = 100.0
+"""PSNR reported for identical images (the true value is infinite, which JSON cannot hold)."""
+EXPORT_INFO = "export_info.json"
+
+
+class InferenceInputError(InputError):
+    """An input of inference or export is unusable; the message names it and the fix."""
+
+
+def is_openvino(pipe: Any) -> bool:
+    """Whether ``pipe`` is an optimum-intel OpenVINO pipeline (else a diffusers PyTorch one)."""
+    return hasattr(pipe, "ov_models")
+
+
+def is_openvino_folder(path: Path) -> bool:
+    """Whether ``path`` holds an exported OpenVINO pipeline."""
+    return (path / "unet" / "openvino_model.xml").is_file()
+
+
+def hidden_size(pipe: Any) -> int:
+    """Width of the pipeline's text encoder (OpenVINO pipelines keep the config as a dict)."""
+    config = pipe.text_encoder.config
+    return config["hidden_size"] if isinstance(config, dict) else config.hidden_size

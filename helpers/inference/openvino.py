@@ -1,0 +1,224 @@
+"""OpenVINO pipelines: export (fp32 or int8 weights, with the concept), loading, embeddings, static shapes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from helpers.files import replace_dir_atomic
+from helpers.inference.common import (
+    EXPORT_INFO,
+    WEIGHT_FORMATS,
+    InferenceInputError,
+    hidden_size,
+    is_openvino,
+    is_openvino_folder,
+)
+from helpers.inference.concept import check_concept, check_embeds, learned_embeds_file
+
+logger = logging.getLogger(__name__)
+
+_TI_NODE_MARK = ".textual_inversion_"  # optimum-intel names the inserted concat nodes with this
+
+
+def insert_learned_embeds(
+    pipe: Any, learned_embeds: str | os.PathLike, placeholder_token: str | None = None, compile: bool = True
+) -> list[str]:
+    """Insert textual-inversion embeddings into an OpenVINO pipeline's text-encoder graph.
+
+    Requests are cleared, the rows are inserted by optimum-intel's ``load_textual_inversion``, the
+    insertion is verified, then the pipeline compiles (unless ``compile=False``: export skips it).
+    :func:`helpers.inference.load_learned_embeds` calls this for OpenVINO pipelines.
+
+    Returns:
+        The tokens added (``<tok>``, then ``<tok>_1``... for multi-vector embeddings).
+    """
+    tokens = check_embeds(
+        pipe.tokenizer, hidden_size(pipe), learned_embeds, placeholder_token, "this pipeline"
+    )
+    path = learned_embeds_file(learned_embeds)
+    from optimum.intel.openvino.utils import TEXTUAL_INVERSION_EMBEDDING_KEYS
+
+    graph = pipe.text_encoder.model
+    names = {op.get_friendly_name() for op in graph.get_ops()}
+    if any(_TI_NODE_MARK in n for n in names):
+        raise InferenceInputError(
+            f"learned_embeds {str(path)!r}: this OpenVINO pipeline already has textual-inversion tokens, and "
+            f"optimum-intel 2.2 scrambles the earlier ones on a second load. Fix: load one embedding "
+            f"file per pipeline (reload the pipeline, or export once per concept)."
+        )
+    tables = [op for op in graph.get_ops() if op.get_friendly_name() in TEXTUAL_INVERSION_EMBEDDING_KEYS]
+    if not tables or tables[0].get_output_element_type(0).get_type_name() != "f32":
+        raise InferenceInputError(
+            f"learned_embeds {str(path)!r}: the token-embedding table of this OpenVINO text encoder is "
+            f"compressed (int8) or missing, so optimum-intel cannot insert rows into it. Fix: insert embeddings "
+            f"before compressing: export_openvino(base, out_dir, weight_format='int8', learned_embeds=...)."
+        )
+    pipe.clear_requests()
+    pipe.load_textual_inversion(str(path), token=placeholder_token)
+    inserted = sum(_TI_NODE_MARK in op.get_friendly_name() for op in graph.get_ops())
+    if inserted != len(tokens):  # pragma: no cover - guards a silent failure of optimum-intel
+        raise RuntimeError(
+            f"optimum-intel inserted {inserted} of {len(tokens)} embedding rows into the text encoder"
+        )
+    if compile:
+        pipe.compile()
+    return tokens
+
+
+def load_openvino_pipeline(path: str | os.PathLike, compile: bool = True, precision: str | None = "f32"):
+    """Load an exported OpenVINO pipeline (dynamic shapes; see :func:`reshape_static`).
+
+    Args:
+        precision: OpenVINO's ``INFERENCE_PRECISION_HINT``. ``"f32"`` (default) computes in fp32 like
+            PyTorch, so :func:`compare` measures the export and nothing else. ``None`` leaves
+            OpenVINO's choice for this CPU: bf16 where it has native bf16 (AVX512-BF16, AMX), which
+            is faster but further from PyTorch than f32 (its PSNR is in bench/results).
+
+    Raises:
+        FileNotFoundError: ``path`` is not an OpenVINO export; the message says how to make one.
+    """
+    from optimum.intel import OVStableDiffusionPipeline
+
+    path = Path(path)
+    if not is_openvino_folder(path):
+        raise FileNotFoundError(
+            f"{str(path)!r} is not an exported OpenVINO pipeline (no unet/openvino_model.xml). Fix: export "
+            f"first with export_openvino(...) or `python -m helpers.inference export`."
+        )
+    ov_config = {"INFERENCE_PRECISION_HINT": precision} if precision else None
+    return OVStableDiffusionPipeline.from_pretrained(path, compile=compile, ov_config=ov_config)
+
+
+def openvino_default_precision() -> str:
+    """What OpenVINO computes in on this CPU unless told otherwise: ``"bf16"`` where the CPU has
+    native bf16 (AVX512-BF16, AMX), else ``"f32"``."""
+    import openvino
+
+    return openvino.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+
+
+def export_openvino(
+    source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    weight_format: str = "fp32",
+    learned_embeds: str | os.PathLike | None = None,
+    placeholder_token: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export a Stable Diffusion pipeline to OpenVINO IR, with the concept, in fp32 or int8 weights.
+
+    Inputs are checked before any export work; the result is written to a temporary folder beside
+    ``out_dir`` and renamed into place, so ``out_dir`` is never half-written.
+
+    Args:
+        source: the fine-tuned folder, a base model (``"tiny"``, Hub id, folder), or an exported
+            OpenVINO folder (then nothing is re-exported, e.g. to compress an fp32 export to int8).
+        out_dir: destination folder.
+        weight_format: ``"fp32"``, or ``"int8"``: weights compressed with
+            ``OVWeightQuantizationConfig(bits=8)`` (data-free, no calibration set).
+        learned_embeds: embeddings to insert, through optimum-intel's ``load_textual_inversion``,
+            into the exported text encoder (before any compression).
+        placeholder_token: see :func:`load_pytorch_pipeline`.
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir``, which holds the pipeline and ``export_info.json`` (source, format, seconds).
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise InferenceInputError(
+            f"weight_format={weight_format!r}: must be one of {', '.join(WEIGHT_FORMATS)}"
+        )
+    path = check_concept(source, learned_embeds, placeholder_token)
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(
+            f"out_dir {str(out)!r} already exists. Fix: pass overwrite=True or another out_dir."
+        )
+    if out.resolve() == path.resolve():
+        raise InferenceInputError(
+            f"out_dir {str(out)!r} is the source folder itself. Fix: choose another out_dir."
+        )
+    from optimum.intel import OVConfig, OVQuantizer, OVStableDiffusionPipeline, OVWeightQuantizationConfig
+
+    start = time.perf_counter()
+    info: dict[str, Any] = {}
+
+    def fill(tmp: Path) -> None:
+        if is_openvino_folder(path):
+            pipe = OVStableDiffusionPipeline.from_pretrained(path, compile=False)
+        else:
+            logger.info("exporting %s to OpenVINO IR (minutes and GBs for SD v1.5)", path)
+            # load_in_8bit=False: keep fp32 weights whatever the model size; int8 is a separate, explicit step
+            pipe = OVStableDiffusionPipeline.from_pretrained(
+                path, export=True, compile=False, load_in_8bit=False
+            )
+        tokens = (
+            insert_learned_embeds(pipe, learned_embeds, placeholder_token, compile=False)
+            if learned_embeds
+            else []
+        )
+        if weight_format == "int8":
+            config = OVConfig(quantization_config=OVWeightQuantizationConfig(bits=8))
+            OVQuantizer(pipe).quantize(ov_config=config, save_directory=tmp)
+        else:
+            pipe.save_pretrained(tmp)
+        info.update(
+            source=os.fspath(source),
+            weight_format=weight_format,
+            learned_embeds=os.fspath(learned_embeds) if learned_embeds else None,
+            inserted_tokens=tokens,
+            seconds=round(time.perf_counter() - start, 2),
+        )
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
+
+    replace_dir_atomic(out, fill)
+    logger.info("exported %s (%s) to %s in %.1f s", os.fspath(source), weight_format, out, info["seconds"])
+    return out
+
+
+def export_info(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """What :func:`export_openvino` recorded in ``out_dir`` (source, weight_format, seconds...)."""
+    return json.loads((Path(out_dir) / EXPORT_INFO).read_text())
+
+
+def disk_megabytes(folder: str | os.PathLike) -> float:
+    """Size of all files under ``folder`` in MB (10^6 bytes), e.g. to compare fp32 and int8 exports."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file()) / 1e6
+
+
+def reshape_static(pipe: Any, batch_size: int, height: int, width: int, num_images_per_prompt: int = 1):
+    """Fix an OpenVINO pipeline's input shapes (batch, size) and compile it.
+
+    Static shapes let OpenVINO plan memory and pick kernels once. The pipeline then only accepts
+    ``batch_size`` prompts, ``num_images_per_prompt``, this size and ``guidance_scale > 1``.
+    (int8 weights: the UNet's mid-block must be larger than 1x1, e.g. 128 px for the tiny model.)
+
+    Returns:
+        ``pipe``, reshaped and compiled.
+    """
+    if not is_openvino(pipe):
+        raise InferenceInputError("reshape_static needs an OpenVINO pipeline (see load_openvino_pipeline)")
+    scale = pipe.vae_scale_factor
+    for name, value in (("height", height), ("width", width)):
+        if value <= 0 or value % scale:
+            raise InferenceInputError(f"{name}={value}: must be a positive multiple of {scale}")
+    if batch_size < 1 or num_images_per_prompt < 1:
+        raise InferenceInputError(
+            f"batch_size={batch_size}, num_images_per_prompt={num_images_per_prompt}: need >= 1"
+        )
+    pipe.reshape(
+        batch_size=batch_size, height=height, width=width, num_images_per_prompt=num_images_per_prompt
+    )
+    # optimum-intel 2.2 sizes the decoder by num_images_per_prompt only; it decodes the whole batch
+    decoder = pipe.vae_decoder.model
+    shape = decoder.inputs[0].get_partial_shape()
+    shape[0] = batch_size * num_images_per_prompt
+    decoder.reshape({decoder.inputs[0]: shape})
+    pipe.clear_requests()
+    pipe.compile()
+    return pipe
