@@ -4,7 +4,7 @@ Both tables are dated and name their sources. They are facts about a moving targ
 them before a workshop (``az vm list-skus``, the Azure size pages, the Retail Prices API).
 
 Why the CPU matters: bf16 on a CPU without native bf16 is 100-150x *slower* than fp32 (see
-FACTS.md), so the workshop only picks bf16 where the CPU has AVX512-BF16 or AMX.
+docs/architecture.md), so the workshop only picks bf16 where the CPU has AVX512-BF16 or AMX.
 """
 
 from __future__ import annotations

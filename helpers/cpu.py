@@ -1,8 +1,8 @@
 """What this CPU can do, and the precision and thread settings that follow from it.
 
 bf16 is only fast where the CPU has it natively (AVX512-BF16 or AMX). Elsewhere PyTorch emulates
-it and a Stable Diffusion training step becomes 100-150x slower (measured: 1,102 s vs 7 s per
-step at 256 px on an AVX2 EPYC), so ``auto`` picks bf16 only where it is native.
+it and a Stable Diffusion training step becomes 100-150x slower (docs/architecture.md), so
+``auto`` picks bf16 only where it is native.
 """
 
 from __future__ import annotations
@@ -193,9 +193,10 @@ def keep_freed_memory() -> Iterator[bool]:
     A training step allocates and frees gigabytes: activations, and oneDNN's per-call copies of
     the convolution weights (up to 118 MB each). By default glibc serves blocks above 32 MiB
     with fresh ``mmap`` pages and trims the heap, so every step page-faults the same memory in
-    again (about 600,000 faults per step for SD v1.5 at 256 px). Serving every block from the
-    heap and never trimming it removes the faults: measured 5.7 -> 3.3 s per step on 2 cores,
-    for +3 % resident memory. The same effect as preloading tcmalloc, without installing it.
+    again. Serving every block from the heap and never trimming it removes the faults, for a
+    little more resident memory (the measured speed-up and memory are in bench/results/, the
+    ``keep_freed_memory`` row of README_table.md). The same effect as preloading tcmalloc,
+    without installing it.
     On exit the defaults come back and the heap is trimmed. Does nothing where glibc is absent.
 
     Yields:
@@ -216,7 +217,7 @@ def keep_freed_memory() -> Iterator[bool]:
 
 
 def ipex_available() -> bool:
-    """Whether Intel Extension for PyTorch imports (it is discontinued; see FACTS.md)."""
+    """Whether Intel Extension for PyTorch imports (it is discontinued; see docs/architecture.md)."""
     try:
         import intel_extension_for_pytorch  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure means "not usable"
@@ -229,7 +230,7 @@ def apply_ipex(unet: torch.nn.Module, text_encoder: torch.nn.Module, dtype: torc
 
     IPEX's default weight prepacking turns modules into inference-only kernels: the gradient
     reaching the text encoder silently becomes ``None``. Prepacking is therefore off, and the
-    modules stay in training mode. Not exercised here: IPEX needs torch 2.8 (see FACTS.md); the
+    modules stay in training mode. Not exercised here: IPEX needs torch 2.8 (see docs/architecture.md); the
     engine checks after the first step that the placeholder gradient is non-zero.
 
     Returns:
