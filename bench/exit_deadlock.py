@@ -55,6 +55,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "hung_after_outputs": sum(o.status == "hung" and o.outputs_complete for o in outcomes),
         "seconds": [round(o.seconds, 1) for o in outcomes],
         "failed_tails": [o.tail for o in outcomes if o.status == "failed"],
+        "hung_detail": [
+            {"summary_age_seconds": o.summary_age, "ranks_alive": o.ranks_alive, "tail": o.tail}
+            for o in outcomes
+            if o.status == "hung"
+        ],  # fmt: skip
     }
     print(json.dumps(report, indent=2))
     if args.out:

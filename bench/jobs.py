@@ -40,6 +40,8 @@ class Outcome:
     returncode: int | None
     tail: list[str]
     outputs_complete: bool  # run_summary.json written (a hung job may hang after finishing)
+    summary_age: float | None = None  # at the kill: seconds since run_summary.json was written
+    ranks_alive: list[int] | None = None  # at the kill, from the status locks (launchers that keep them)
 
 
 def kill_tree(pid: int) -> None:
@@ -85,10 +87,24 @@ def run_job(
                 code: int | None = proc.wait(timeout=timeout)
                 status = "ok" if code == 0 else "failed"
             except subprocess.TimeoutExpired:
+                summary, status_dir = (
+                    Path(tmp) / "out" / "run_summary.json",
+                    Path(tmp) / "out" / "launch" / "status",
+                )
+                age = time.time() - summary.stat().st_mtime if summary.is_file() else None
+                alive = sorted(int(p.stem[4:]) for p in status_dir.glob("rank*.lock") if _lock_held(p))
                 kill_tree(proc.pid)
                 proc.wait()
                 code, status = None, "hung"
         seconds = time.monotonic() - start
         tail = log.read_text(errors="replace").splitlines()[-8:]
         complete = (Path(tmp) / "out" / "run_summary.json").is_file()
-    return Outcome(status, seconds, code, tail, complete)
+    if status != "hung":
+        age, alive = None, None
+    return Outcome(status, seconds, code, tail, complete, age, alive)
+
+
+def _lock_held(path: Path) -> bool:
+    from helpers import supervise
+
+    return supervise._lock_held(path)
