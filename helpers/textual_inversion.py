@@ -393,7 +393,9 @@ def train(config: TrainConfig) -> TrainResult:
     # re-casts its 860 M weights (autocast would, and hold the casts for the backward). Saving the
     # full pipeline takes the UNet from the base model, untouched.
     dtype = cpu.compute_dtype(precision.mixed_precision)
+    supervise.beat("loading")  # each phase of a start counts as progress for helpers.launch
     parts = models.load_components(model_dir, unet_dtype=dtype)
+    supervise.beat("loaded")
     text_encoder, vae, unet, noise_scheduler = (
         parts.text_encoder,
         parts.vae,
@@ -427,7 +429,7 @@ def train(config: TrainConfig) -> TrainResult:
         seed=config.seed,
     )
     latent_mean, latent_std = cache_latents(vae, dataset)
-    supervise.beat("loaded")  # loading a real model takes minutes: progress for helpers.launch
+    supervise.beat("latents cached")
     scaling = vae.config.scaling_factor
     del vae  # never needed again: the encoder ran once per view
 
