@@ -615,8 +615,10 @@ def train(config: TrainConfig) -> TrainResult:
         if pipeline_dir is not None:
             save_full_pipeline(run, pipeline_dir)
         _write_json(output_dir / SUMMARY, summary)  # written last: marks a finished run
-    # Teardown in a safe order: no collective in flight (every rank past the barrier), then the
-    # process group destroyed while nothing but it holds gloo's threads.
+    # Teardown in a safe order: every collective's output dropped (above), every rank past the
+    # barrier (no collective in flight), then the process group destroyed. Measured with torch
+    # 2.13: once torch._dynamo is imported (any optimizer step does) gloo's threads outlive
+    # destroy_process_group until the interpreter exits, so nothing may be left for them to free.
     accelerator.wait_for_everyone()
     faults.delay_in_collective_thread(accelerator.process_index)  # test-only: issue 11's exit race
     accelerator.end_training()  # destroys the process group (MPICH aborts a rank that skips it)
