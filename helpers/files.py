@@ -98,9 +98,8 @@ def replace_dir_atomic(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = _sibling(path, "tmp"), _sibling(path, "old")
+    tmp = _sibling(path, "tmp")
     tmp.mkdir()  # not tempfile.mkdtemp: that makes it 0700; this honours the umask like any folder
-    moved_aside = False
     try:
         fill(tmp)
         if keep_existing:
@@ -110,18 +109,33 @@ def replace_dir_atomic(
                 if not path.is_dir():
                     raise
             return path
-        if path.exists() or path.is_symlink():
-            os.rename(path, old)
-            moved_aside = True
-        try:
-            os.rename(tmp, path)
-        except BaseException:
-            if moved_aside:
-                os.rename(old, path)
-                moved_aside = False
-            raise
+        return move_dir_into_place(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def move_dir_into_place(src: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Replace the folder ``path`` by the complete folder ``src`` (a sibling): the swap of :func:`replace_dir_atomic`.
+
+    For writers that must fill a folder of their own naming, e.g. several processes saving into
+    one shared checkpoint folder: the old ``path`` is renamed aside, ``src`` renamed to ``path``,
+    then the old one deleted; if the second rename fails the old one is put back.
+
+    Returns:
+        ``path``.
+    """
+    src, path = Path(src), Path(path)
+    old = _sibling(path, "old")
+    moved_aside = False
+    if path.exists() or path.is_symlink():
+        os.rename(path, old)
+        moved_aside = True
+    try:
+        os.rename(src, path)
+    except BaseException:
+        if moved_aside:
+            os.rename(old, path)
+        raise
     if moved_aside:
         if old.is_symlink():
             old.unlink()

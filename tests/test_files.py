@@ -9,6 +9,7 @@ from PIL import Image
 
 from helpers import files
 from helpers.files import (
+    move_dir_into_place,
     replace_dir_atomic,
     save_image_atomic,
     write_bytes_atomic,
@@ -139,3 +140,12 @@ def test_keep_existing_keeps_a_folder_another_builder_finished_first(tmp_path):
     assert names(dest) == ["theirs"] and names(tmp_path) == ["cache"]
     replace_dir_atomic(tmp_path / "new", fill_with({"a": "1"}), keep_existing=True)
     assert names(tmp_path / "new") == ["a"]
+
+
+def test_move_dir_into_place_swaps_a_folder_filled_by_name(tmp_path):
+    dest, shared = tmp_path / "checkpoint-4", tmp_path / ".checkpoint-4.tmp"  # a name every rank knows
+    replace_dir_atomic(dest, fill_with({"old": "1"}))
+    shared.mkdir()
+    (shared / "new").write_text("2")
+    assert move_dir_into_place(shared, dest) == dest
+    assert names(dest) == ["new"] and names(tmp_path) == ["checkpoint-4"]
