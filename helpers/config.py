@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from helpers.errors import InputError
 from helpers.files import write_text_atomic
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -41,7 +42,7 @@ UNSUPPORTED_DIFFUSERS_FLAGS = {
 IGNORED_FLAGS = {"local_rank": "the rank comes from the launcher's environment (LOCAL_RANK / PMI_RANK)"}
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """One or more training settings are invalid; the message lists each with its fix."""
 
 

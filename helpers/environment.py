@@ -7,10 +7,13 @@ download that is useless on these machines), or when a pinned package has anothe
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
 import re
 import sys
 from pathlib import Path
+
+from helpers.errors import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENT_FILES = (ROOT / "requirements.txt", ROOT / "requirements-nodeps.txt")
@@ -64,7 +67,16 @@ def problems() -> list[str]:
     return found
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``python -m helpers.environment`` takes no arguments (``--help`` says what it checks)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers.environment", description=__doc__.splitlines()[0]
+    )
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print each problem (or OK); exit code 1 if there is any."""
     found = problems()
     for p in found:
         print(f"environment check: {p}", file=sys.stderr)
@@ -75,5 +87,10 @@ def main() -> int:
     return 1 if found else 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.errors.run_cli`."""
+    return run_cli(main, parse_args, argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

@@ -8,15 +8,18 @@ Tests assert on those records, not only that the notebook ran.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from helpers.errors import run_cli
 from helpers.files import write_path_atomic, write_text_atomic
 
 RECORD_MIME = "application/x.workshop.record+json"
@@ -163,16 +166,20 @@ def export_html(executed_notebook: str | os.PathLike, html_path: str | os.PathLi
     return write_text_atomic(html_path, body)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m helpers.notebooks [--out build] [--html] [NOTEBOOK ...]``: run on the tiny profile."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Run the workshop notebooks headlessly on the tiny profile.")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``python -m helpers.notebooks [--out build] [--html] [NOTEBOOK ...]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers.notebooks",
+        description="Run the workshop notebooks headlessly on the tiny profile.",
+    )
     parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: all, in order)")
     parser.add_argument("--out", default="build", help="folder for executed notebooks and handouts")
     parser.add_argument("--html", action="store_true", help="also write self-contained HTML handouts")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the notebooks of :func:`parse_args` on their tiny profile; write them (and handouts) to ``--out``."""
     out = Path(args.out).resolve()
     paths = [Path(p).resolve() for p in args.notebooks] or notebook_paths()
     for nb in paths:
@@ -186,5 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """Entry point: a failing cell exits 1 with its message; a missing notebook exits 2 (:func:`run_cli`)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return run_cli(main, parse_args, argv)
+    except NotebookError as err:  # the notebook's own failure, reported without our traceback
+        sys.stderr.write(f"error: {err}\n")
+        return 1
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

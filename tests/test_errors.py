@@ -53,3 +53,30 @@ def test_exit_codes_and_other_errors():
 
     assert run_cli(offline, parse, also=(Offline,)) == 2
     assert issubclass(InputError, ValueError)  # existing `except ValueError` callers keep working
+
+
+@pytest.mark.parametrize("name", ["azure", "environment", "inference", "notebooks"])
+def test_entry_points_have_the_one_cli_shape(name):
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"helpers.{name}")
+    assert list(inspect.signature(module.parse_args).parameters) == ["argv"]
+    assert list(inspect.signature(module.main).parameters) == ["args"]
+    assert list(inspect.signature(module.cli).parameters) == ["argv"]
+
+
+def test_notebooks_cli_missing_notebook_is_one_line_and_exit_2(tmp_path, capsys):
+    from helpers import notebooks
+
+    assert notebooks.cli([str(tmp_path / "nope.ipynb"), "--out", str(tmp_path / "build")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"error: notebook {tmp_path / 'nope.ipynb'} does not exist") and err.count("\n") == 1
+    )
+
+
+def test_config_errors_are_input_errors():
+    from helpers.config import ConfigError
+
+    assert issubclass(ConfigError, InputError)
