@@ -40,13 +40,15 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from helpers.files import write_text_atomic
+from helpers import cpu
+from helpers.files import replace_dir_atomic, write_text_atomic
 from helpers.toyworld import world
 from helpers.toyworld.judge import JUDGE_DIR, Judge, save_judge
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+PHASES = ("scenes", "vae", "latents", "generator", "judge")
 TEXT_CONFIG = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -100,7 +102,7 @@ class BuildConfig:
     unet_batch_size: int = 32
     unet_learning_rate: float = 1e-3
     ema_decay: float = 0.999
-    judge_steps: int = 1500
+    judge_steps: int = 600
     judge_batch_size: int = 64
     eval_images: int = 48
     checkpoint_every: int = 250
@@ -118,15 +120,23 @@ def _to_tensor(images) -> torch.Tensor:
 
 
 class _Phase:
-    """A resumable training phase: its state lives in ``.build/<name>.pt``, saved atomically."""
+    """A resumable phase: its state lives in ``<output>.build/<name>.pt``, saved atomically.
+
+    ``state["seconds"]`` adds up the time spent in the phase over every run that worked on it,
+    so an interrupted and resumed build still reports what it cost.
+    """
 
     def __init__(self, work: Path, name: str):
         self.path = work / f"{name}.pt"
+        self._since = time.perf_counter()
 
     def load(self) -> dict | None:
         return torch.load(self.path, weights_only=False) if self.path.exists() else None
 
     def save(self, state: dict) -> None:
+        now = time.perf_counter()
+        state["seconds"] = state.get("seconds", 0.0) + now - self._since
+        self._since = now
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.path)
@@ -344,8 +354,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def file_hashes(folder: Path) -> dict[str, str]:
+def file_hashes(folder: str | os.PathLike) -> dict[str, str]:
     """sha256 of every file below ``folder`` except the manifest, by relative path."""
+    folder = Path(folder)
     return {
         p.relative_to(folder).as_posix(): _sha256(p)
         for p in sorted(folder.rglob("*"))
@@ -365,8 +376,8 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
     """Run (or resume) every phase and write the finished model into ``cfg.output_dir``.
 
     The folder is complete or absent: the pipeline, judge and manifest are written to a
-    temporary sibling and renamed over any earlier build; ``.build/`` (the phases' state) is
-    kept inside it until the build finishes, then removed.
+    temporary sibling and swapped in for any earlier build (:func:`helpers.files.replace_dir_atomic`);
+    the phases' state stays in the sibling ``<output_dir>.build/`` until the build finishes.
     """
     from diffusers import PNDMScheduler, StableDiffusionPipeline
 
@@ -384,7 +395,6 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
             f"Fix: use the same settings to resume it, or delete {work} to start over."
         )
     write_text_atomic(saved, json.dumps(settings, indent=1))
-    start = time.perf_counter()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     pixels, scenes = render_scenes(cfg, work)
     vae, vae_losses = train_vae(cfg, work, pixels)
@@ -394,39 +404,38 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
     captions = tokenize_captions(cfg, tokenizer, scenes)
     text, unet, unet_losses = train_generator(cfg, work, latents, captions)
     judge, judge_scores = train_judge(cfg, work, vae)
+    phase_seconds = {name: round(_Phase(work, name).load().get("seconds", 0.0), 1) for name in PHASES}
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe = StableDiffusionPipeline(
-        vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet,
-        scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    )  # fmt: skip
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    save_judge(judge, tmp / JUDGE_DIR)
-    scores = evaluate(tmp, judge, num_images=cfg.eval_images, seed=cfg.seed)
-    manifest = {
-        "command": "python -m helpers.toyworld build " + shlex.join(argv or []),
-        "settings": settings,
-        "versions": _versions(),
-        "build_seconds": round(time.perf_counter() - start, 1),
-        "final_losses": {
-            "vae": float(np.mean(vae_losses[-50:])),
-            "text_encoder_unet": float(np.mean(unet_losses[-200:])),
-            "judge": judge_scores.pop("final_loss"),
-        },
-        "judge_held_out_accuracy": judge_scores,
-        "generator_scores": scores,
-        "files": file_hashes(tmp),
-    }
-    write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))
-    if out.exists():
-        old = out.with_name(f".{out.name}.{os.getpid()}.old")
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out)
+    finishing = time.perf_counter()  # saving and evaluating: not part of any phase
+
+    def fill(folder: Path) -> None:
+        pipe = StableDiffusionPipeline(
+            vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet,
+            scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )  # fmt: skip
+        pipe.save_pretrained(folder, safe_serialization=True)
+        save_judge(judge, folder / JUDGE_DIR)
+        scores = evaluate(folder, judge, num_images=cfg.eval_images, seed=cfg.seed)
+        manifest = {
+            "command": "python -m helpers.toyworld build " + shlex.join(argv or []),
+            "settings": settings,
+            "versions": _versions(),
+            "machine": f"{cpu.report().model_name}, {os.cpu_count()} cores",
+            "phase_seconds": phase_seconds,  # summed over every run that worked on the phase
+            "build_seconds": round(sum(phase_seconds.values()) + time.perf_counter() - finishing, 1),
+            "final_losses": {
+                "vae": float(np.mean(vae_losses[-50:])),
+                "text_encoder_unet": float(np.mean(unet_losses[-200:])),
+                "judge": judge_scores.pop("final_loss"),
+            },
+            "judge_held_out_accuracy": judge_scores,
+            "generator_scores": scores,
+            "files": file_hashes(folder),
+        }
+        write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=2))
+
+    replace_dir_atomic(out, fill)  # the model appears complete or not at all
     shutil.rmtree(work)
     return out
 
