@@ -222,8 +222,8 @@ def test_score_prints_one_json_line_and_writes_the_pictures(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.strip().splitlines()
     result = json.loads(line)
-    assert result["images"] == [str(tmp_path / "pics" / f"image_{i:02d}.png") for i in range(2)]
-    assert all((tmp_path / "pics" / f"image_{i:02d}.png").is_file() for i in range(2))
+    assert result["images"] == [str(tmp_path / "pics" / f"image-{i:02d}.png") for i in range(2)]
+    assert all((tmp_path / "pics" / f"image-{i:02d}.png").is_file() for i in range(2))
     assert len(result["pip_probabilities"]) == 2
     assert result["concept_score"] == pytest.approx(np.mean(result["pip_probabilities"]), abs=1e-4)
     assert result["concept_score"] < 0.2  # a yellow ball is not Pip
