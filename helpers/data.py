@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from helpers.errors import InputError
+from helpers.sources import classify_source
 from helpers.toyworld.world import render_pip_pictures as render_sample_concept
 
 __all__ = [
@@ -113,7 +115,7 @@ imagenet_style_templates_small = [
 _TEMPLATES = {"object": imagenet_templates_small, "style": imagenet_style_templates_small}
 
 
-class ImageFolderError(ValueError):
+class ImageFolderError(InputError):
     """A concept-image folder cannot be used; the message lists every problem and the fix.
 
     Attributes:
@@ -156,7 +158,7 @@ def resolve_concept(concept: str | os.PathLike, min_size: int = 0) -> Path:
     name = os.fspath(concept)
     if name == SAMPLE:
         folder = sample_concept_dir()
-    elif Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+    elif classify_source(name) in ("folder", "missing_path"):
         folder = Path(name).expanduser()
     else:
         folder = download_concept(name)

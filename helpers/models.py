@@ -16,15 +16,16 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import socket
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import torch
+
+from helpers.files import replace_dir_atomic
+from helpers.sources import classify_source
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
             )
         return TOYWORLD_DIR
     path = Path(name).expanduser()
-    if path.exists() or name.startswith((".", "/", "~")):
+    if classify_source(name) in ("folder", "missing_path"):
         if not (path / "model_index.json").is_file():
             raise FileNotFoundError(
                 f"model folder {path} has no model_index.json: it is not a diffusers pipeline folder. "
@@ -303,17 +304,10 @@ def build_tiny_pipeline(path: str | os.PathLike, seed: int = 0):
 
 
 def _save_atomically(pipe, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not (path / "model_index.json").is_file():  # not a concurrent builder that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # keep_existing: several processes may build the same cache entry; the first one finished stays.
+    replace_dir_atomic(
+        path, lambda folder: pipe.save_pretrained(folder, safe_serialization=True), keep_existing=True
+    )
 
 
 def _build_key(*configs: Any) -> str:

@@ -18,6 +18,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from PIL import Image
 
+from helpers.files import write_path_atomic
+
 __all__ = ["image_grid", "image_rows", "loss_curve", "moving_average", "save_figure", "timing_bars"]
 
 
@@ -250,12 +252,5 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = 120) -> Path:
         raise ValueError(
             f"cannot tell the image format of {str(path)!r}: give it a suffix such as .png or .svg."
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # never leave a half-written file behind
-        raise
+    write_path_atomic(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight"))
     return path

@@ -18,6 +18,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from helpers.errors import run_cli
 from helpers.toyworld import build, evaluate
 
 
@@ -38,23 +39,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(args: argparse.Namespace) -> dict | str:
+def main(args: argparse.Namespace) -> int:
+    """Build (prints the model folder) or score (prints one JSON line)."""
     if args.command == "build":
-        return str(build.build(build.config_from_args(args), sys.argv[2:]))
-    return evaluate.score(args.model, args.prompt, args.learned_embeds, args.num_images, args.seed,
-                          args.output_dir, args.guidance_scale, args.num_inference_steps)  # fmt: skip
+        print(build.build(build.config_from_args(args), sys.argv[2:]))
+        return 0
+    result = evaluate.score(args.model, args.prompt, args.learned_embeds, args.num_images, args.seed,
+                            args.output_dir, args.guidance_scale, args.num_inference_steps)  # fmt: skip
+    print(json.dumps(result))
+    return 0
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = parse_args(argv)
-    try:
-        result = main(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result) if isinstance(result, dict) else result)
-    return 0
+    return run_cli(main, parse_args, argv)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from helpers import cpu
-from helpers.files import replace_dir_atomic, write_text_atomic
+from helpers.errors import InputError
+from helpers.files import replace_dir_atomic, write_path_atomic, write_text_atomic
 from helpers.toyworld import world
 from helpers.toyworld.judge import JUDGE_DIR, Judge, save_judge
 
@@ -137,9 +138,7 @@ class _Phase:
         now = time.perf_counter()
         state["seconds"] = state.get("seconds", 0.0) + now - self._since
         self._since = now
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.path)
+        write_path_atomic(self.path, lambda tmp: torch.save(state, tmp))
 
 
 def render_scenes(cfg: BuildConfig, work: Path) -> tuple[torch.Tensor, list[world.Scene]]:
@@ -390,7 +389,7 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
     settings = asdict(cfg) | {"output_dir": None}
     saved = work / "settings.json"
     if saved.exists() and json.loads(saved.read_text()) != settings:
-        raise ValueError(
+        raise InputError(
             f"{work} holds an interrupted build with other settings. "
             f"Fix: use the same settings to resume it, or delete {work} to start over."
         )

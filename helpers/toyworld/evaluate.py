@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from helpers.errors import InputError
 from helpers.toyworld import world
 from helpers.toyworld.judge import HEADS, JUDGE_DIR, Judge, judge_images, load_judge
 
@@ -96,20 +97,20 @@ def check_prompt(prompt: str, learned_embeds: str | os.PathLike | None) -> None:
     """The prompt must use the placeholder that the embeddings define (and only with embeddings).
 
     Raises:
-        ValueError: naming the prompt and the fix, before any model loads.
+        InputError: naming the prompt and the fix, before any model loads.
     """
     from helpers.inference import read_learned_embeds
 
     if learned_embeds is None:
         if "<" in prompt and ">" in prompt:
-            raise ValueError(
+            raise InputError(
                 f"prompt {prompt!r} has a placeholder but no learned embeddings define it. "
                 f"Fix: pass --learned_embeds PATH (the training output's learned_embeds.safetensors)."
             )
         return
     token, _ = read_learned_embeds(learned_embeds)
     if token not in prompt:
-        raise ValueError(
+        raise InputError(
             f"prompt {prompt!r} does not contain {token!r}, the placeholder that {os.fspath(learned_embeds)!r} "
             f'defines. Fix: use it in the prompt, e.g. --prompt "a photo of {token}".'
         )
@@ -201,7 +202,7 @@ def score(
         and objects, and the paths of the pictures written into ``output_dir`` (if given).
 
     Raises:
-        FileNotFoundError / ValueError: a missing model or embeddings file, a model without a
+        FileNotFoundError / InputError: a missing model or embeddings file, a model without a
             judge, a prompt without the embeddings' placeholder (before any picture is made).
     """
     from helpers.models import resolve_model

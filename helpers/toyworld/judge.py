@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from helpers.errors import InputError
 from helpers.toyworld import world
 
 JUDGE_DIR = "judge"
@@ -93,7 +94,7 @@ def load_judge(model_dir: str | os.PathLike) -> Judge:
         )
     config = json.loads((folder / "config.json").read_text())
     if {k: tuple(v) for k, v in config["heads"].items()} != HEADS:
-        raise ValueError(f"{folder}: the judge was built for another world (heads {config['heads']}).")
+        raise InputError(f"{folder}: the judge was built for another world (heads {config['heads']}).")
     judge = Judge(config["width"])
     judge.load_state_dict(load_file(str(folder / "model.safetensors")))
     return judge.eval()
