@@ -52,9 +52,5 @@ clean:
 	rm -rf build .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-dist# Rebuild the shipped toy-world model (about 45-70 minutes on 2 cores; resumable if interrupted).
-toyworld: setup
-	$(PY) -m helpers.toyworld build --output_dir helpers/assets/toyworld
-
-clean: clean
+distclean: clean
 	rm -rf $(VENV)
