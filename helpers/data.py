@@ -29,7 +29,6 @@ from PIL import Image, ImageOps
 
 from helpers.errors import InputError
 from helpers.sources import classify_source
-from helpers.toyworld.world import render_pip_pictures as render_sample_concept
 
 __all__ = [
     "DEFAULT_CONCEPT_REPO",
@@ -113,6 +112,13 @@ imagenet_style_templates_small = [
 ]
 
 _TEMPLATES = {"object": imagenet_templates_small, "style": imagenet_style_templates_small}
+
+
+def render_sample_concept(dest: str | os.PathLike, seed: int = 0) -> list[Path]:
+    """Draw the bundled sample concept (Pip) into ``dest``: see :func:`helpers.toyworld.world.render_pip_pictures`."""
+    from helpers.toyworld.world import render_pip_pictures  # the toy world builds on this module
+
+    return render_pip_pictures(dest, seed)
 
 
 class ImageFolderError(InputError):

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from helpers import cpu
 from helpers.errors import InputError
 from helpers.files import replace_dir_atomic, write_path_atomic, write_text_atomic
+from helpers.models import TINY_TEXT_CONFIG
 from helpers.toyworld import world
 from helpers.toyworld.judge import JUDGE_DIR, Judge, save_judge
 
@@ -50,18 +51,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PHASES = ("scenes", "vae", "latents", "generator", "judge")
-TEXT_CONFIG = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_hidden_layers=2,
-    max_position_embeddings=77,
-    projection_dim=32,
-    hidden_act="quick_gelu",
-    bos_token_id=49406,
-    eos_token_id=49407,
-    pad_token_id=49407,
-)
+TEXT_CONFIG = dict(TINY_TEXT_CONFIG, intermediate_size=64)  # CLIP's text tower, 32 wide, 2 layers
 UNET_CONFIG = dict(
     sample_size=world.SIZE // 4,
     in_channels=4,
@@ -150,7 +140,7 @@ def render_scenes(cfg: BuildConfig, work: Path) -> tuple[torch.Tensor, list[worl
     if state is None or state["num_scenes"] != cfg.num_scenes:
         pixels = torch.empty(cfg.num_scenes, 3, world.SIZE, world.SIZE, dtype=torch.uint8)
         for i, scene in enumerate(tqdm(scenes, desc="render scenes", unit="scene", mininterval=2)):
-            pixels[i] = torch.from_numpy(np.asarray(world.render(scene, seed=i))).permute(2, 0, 1)
+            pixels[i] = torch.from_numpy(np.array(world.render(scene, seed=i))).permute(2, 0, 1)
         state = {"num_scenes": cfg.num_scenes, "pixels": pixels}
         cache.save(state)
     return state["pixels"], scenes
@@ -164,6 +154,24 @@ def _lr(step: int, total: int, peak: float, warmup: int = 100) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
+
+
+def _update(opt, loss: torch.Tensor, lr: float, state: dict, bar, clip: list | None = None) -> None:
+    """One optimizer step at learning rate ``lr``; the loss goes into the phase's log and progress bar."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    opt.step()
+    state["losses"].append(loss.detach().item())
+    bar.update(1)
+    bar.set_postfix(loss=f"{np.mean(state['losses'][-100:]):.4f}")
+
+
+def _checkpoint_due(cfg: BuildConfig, step: int, total: int) -> bool:
+    return (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total
 
 
 def train_vae(cfg: BuildConfig, work: Path, pixels: torch.Tensor):
@@ -187,15 +195,8 @@ def train_vae(cfg: BuildConfig, work: Path, pixels: torch.Tensor):
         z = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=g)
         rec = vae.decode(z).sample
         loss = F.l1_loss(rec, x) + F.mse_loss(rec, x) + 1e-6 * dist.kl().mean()
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.vae_steps, cfg.vae_learning_rate)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        state["losses"].append(float(loss))
-        bar.update(1)
-        bar.set_postfix(loss=f"{np.mean(state['losses'][-50:]):.4f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.vae_steps:
+        _update(opt, loss, _lr(step, cfg.vae_steps, cfg.vae_learning_rate), state, bar)
+        if _checkpoint_due(cfg, step, cfg.vae_steps):
             state.update(step=step + 1, model=vae.state_dict(), optimizer=opt.state_dict())
             phase.save(state)
     bar.close()
@@ -273,20 +274,14 @@ def train_generator(
         hidden = text(captions[idx, variant])[0]
         pred = unet(scheduler.add_noise(z, noise, t), t, hidden).sample
         loss = F.mse_loss(pred, noise)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.unet_steps, cfg.unet_learning_rate, warmup=200)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        _update(
+            opt, loss, _lr(step, cfg.unet_steps, cfg.unet_learning_rate, warmup=200), state, bar, clip=params
+        )
         decay = min(cfg.ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
             for e, p in zip(ema, params, strict=True):
                 e.lerp_(p.detach(), 1 - decay)
-        state["losses"].append(float(loss))
-        bar.update(1)
-        bar.set_postfix(loss=f"{np.mean(state['losses'][-100:]):.4f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.unet_steps:
+        if _checkpoint_due(cfg, step, cfg.unet_steps):
             state.update(step=step + 1, unet=unet.state_dict(), text_encoder=text.state_dict(),
                          optimizer=opt.state_dict(), ema=[e.clone() for e in ema])  # fmt: skip
             phase.save(state)
@@ -326,15 +321,8 @@ def train_judge(cfg: BuildConfig, work: Path, vae) -> tuple[Judge, dict[str, flo
         g = _gen(cfg, "judge", step)
         x = x + 0.08 * torch.rand(len(x), 1, 1, 1, generator=g) * torch.randn(x.shape, generator=g)
         loss = judge.loss(x, labels)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.judge_steps, 2e-3)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        state["losses"].append(float(loss))
-        bar.update(1)
-        bar.set_postfix(loss=f"{np.mean(state['losses'][-50:]):.4f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.judge_steps:
+        _update(opt, loss, _lr(step, cfg.judge_steps, 2e-3), state, bar)
+        if _checkpoint_due(cfg, step, cfg.judge_steps):
             state.update(step=step + 1, model=judge.state_dict(), optimizer=opt.state_dict())
             phase.save(state)
     bar.close()

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFilter
+
+from helpers.data import imagenet_templates_small
 
 SIZE = 64  # the world's native resolution
 _SUPERSAMPLE = 4
@@ -46,32 +49,9 @@ GENERIC_NOUN = "toy"  # what a caption says when it leaves the kind out (and Pip
 INK = (34, 30, 40)
 WHITE = (255, 255, 255)
 ORANGE = (255, 138, 20)
-_TEMPLATES = (  # as in diffusers' textual-inversion script, so its prompts are in-distribution
-    "a photo of a {}",
-    "a rendering of a {}",
-    "a cropped photo of the {}",
-    "the photo of a {}",
-    "a photo of a clean {}",
-    "a photo of a dirty {}",
-    "a dark photo of the {}",
-    "a photo of my {}",
-    "a photo of the cool {}",
-    "a close-up photo of a {}",
-    "a bright photo of the {}",
-    "a cropped photo of a {}",
-    "a photo of the {}",
-    "a good photo of the {}",
-    "a photo of one {}",
-    "a close-up photo of the {}",
-    "a rendition of the {}",
-    "a photo of the clean {}",
-    "a rendition of a {}",
-    "a photo of a nice {}",
-    "a good photo of a {}",
-    "a photo of the nice {}",
-    "a photo of the weird {}",
-    "a photo of a cool {}",
-)
+# The textual-inversion script's templates (so its prompts are in-distribution), minus those that
+# name a size: a scene's size is its own caption word.
+_TEMPLATES = tuple(t for t in imagenet_templates_small if not re.search(r"\b(small|large)\b", t))
 
 
 @dataclass(frozen=True)
