@@ -5,7 +5,7 @@ builds what starts it: the accelerate config file of each node, the ``mpirun`` o
 command lines with the environment every rank needs, and a pre-flight check of the nodes.
 :mod:`helpers.launch` runs those commands and supervises the job.
 
-Choices, measured on the development machines (see FACTS.md):
+Choices, measured on the development machines (reasons in docs/architecture.md):
 
 * Backend ``gloo``. The oneCCL bindings (``oneccl_bindings_for_pytorch``, backend ``ccl``) are
   deprecated, not on the Python package registry, and accelerate >= 1.13 removed its support;
