@@ -65,7 +65,6 @@ def test_captions_name_the_scene_and_leave_parts_out_at_the_documented_rates():
     assert 0.7 < sum(c.endswith(" on the grass") for c in said) / len(said) < 0.8
     assert all(("car" in c) != (" toy" in c) for c in said)
     assert world.full_caption(scene) == "a photo of a big red car on the grass"
-    assert world.pip_prompt("<pip>", "grass") == "a photo of <pip> on the grass"
 
 
 def test_render_is_a_pure_function_of_scene_and_seed():

@@ -13,7 +13,7 @@ The built model ships in ``helpers/assets/toyworld`` with its manifest; ``models
 """
 
 from helpers.toyworld.evaluate import ConceptReport, before_training_report, concept_report, pip_score, score
-from helpers.toyworld.world import PIP_SHOTS, Scene, pip_prompt, render, render_pip_pictures
+from helpers.toyworld.world import PIP_SHOTS, Scene, render, render_pip_pictures
 
 __all__ = [
     "PIP_SHOTS",
@@ -21,7 +21,6 @@ __all__ = [
     "Scene",
     "before_training_report",
     "concept_report",
-    "pip_prompt",
     "pip_score",
     "render",
     "render_pip_pictures",

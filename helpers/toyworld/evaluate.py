@@ -71,11 +71,6 @@ class ConceptReport:
         score = "" if self.concept_score is None else f"\nPip score {self.concept_score:.2f}"
         return f"{self.prompt}{score}"
 
-    def background_share(self, background: str) -> float | None:
-        """The fraction of pictures judged to be on ``background``."""
-        found = self.judged.get("backgrounds")
-        return None if found is None else sum(b == background for b in found) / len(found)
-
 
 def pip_score(model: str | os.PathLike, images: Sequence) -> float | None:
     """The judge's mean probability of Pip over ``images``, or None if ``model`` has no judge.

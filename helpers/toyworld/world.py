@@ -115,12 +115,6 @@ def full_caption(scene: Scene) -> str:
     return f"a photo of a {scene.size} {scene.colour} {scene.kind} {_PLACE[scene.background]}"
 
 
-def pip_prompt(placeholder: str, background: str | None = None) -> str:
-    """The prompt that asks for Pip through its new word, optionally somewhere: "a photo of <pip> on the grass"."""
-    text = f"a photo of {placeholder}"
-    return f"{text} {_PLACE[background]}" if background else text
-
-
 # --- drawing -----------------------------------------------------------------------------------
 
 
