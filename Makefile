@@ -44,7 +44,7 @@ bench: setup
 	$(PY) -m bench.train_step --model tiny
 	$(PY) -m bench.inference --model tiny
 
-# Rebuild the shipped toy-world model (about 45-70 minutes on 2 cores; resumable if interrupted).
+# Rebuild the shipped toy-world model (about an hour on 2 cores; resumable if interrupted).
 toyworld: setup
 	$(PY) -m helpers.toyworld build --output_dir helpers/assets/toyworld
 
