@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export AZURE_CORE_COLLECT_TELEMETRY ?= false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-fast lint format bench toyworld clean distclean
+.PHONY: setup system-packages demo handouts test test-fast lint format bench toyworld clean distclean
 
 setup: $(VENV)/.setup-done
 
@@ -23,10 +23,27 @@ $(VENV)/.setup-done: requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m helpers.environment
 	touch $@
 
+# Debian programs some tests need: Open MPI and MPICH (the launcher with each MPI flavour),
+# Chromium (handouts opened in a real browser, PDF handouts), Graphviz (the diagrams' sources).
+# Installed when missing if this is root with apt-get; otherwise those tests skip and say why.
+DEBIAN_PACKAGES := openmpi-bin mpich chromium graphviz
+system-packages:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing" $$missing; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	    || echo "note: could not install" $$missing "- the tests that need them will be skipped"; \
+	else echo "note: missing" $$missing "(install them as root) - the tests that need them will be skipped"; fi
+
 demo: setup
 	$(PY) -m helpers.notebooks --out build --html
 
-test: setup
+# PDF handouts too (headless Chromium), from the notebooks `make demo` executed into build/.
+handouts: demo system-packages
+	$(PY) -m helpers.handouts build --pdf
+
+test: setup system-packages
 	$(PY) -m pytest -q
 
 test-fast: setup

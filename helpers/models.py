@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import torch
 
 from helpers.files import replace_dir_atomic
+from helpers.quiet import quiet_model_loading
 from helpers.sources import classify_source
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ def load_components(
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
+    quiet_model_loading()
     path = resolve_model(pretrained_model_name_or_path, revision)
     return Components(
         tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),

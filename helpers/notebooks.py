@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from helpers.errors import run_cli
-from helpers.files import write_path_atomic, write_text_atomic
+from helpers.files import write_path_atomic
 
 RECORD_MIME = "application/x.workshop.record+json"
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -50,7 +50,8 @@ def record(name: str, value: Any) -> Any:
     except ImportError:  # pragma: no cover - IPython ships with ipykernel
         get_ipython = None
     if get_ipython is not None and get_ipython() is not None:
-        display({RECORD_MIME: payload, "text/plain": f"recorded {name} = {value!r}"}, raw=True)
+        # An empty text form: people read the tables and plots, the tests read the record.
+        display({RECORD_MIME: payload, "text/plain": ""}, raw=True)
     else:
         logger.info("recorded %s = %r", name, value)
     return value
@@ -157,15 +158,6 @@ def run_notebook(
     return read_records(output_path)
 
 
-def export_html(executed_notebook: str | os.PathLike, html_path: str | os.PathLike) -> Path:
-    """Write a self-contained HTML handout (images inline) of an executed notebook."""
-    from nbconvert import HTMLExporter
-
-    exporter = HTMLExporter(embed_images=True)
-    body, _ = exporter.from_filename(str(executed_notebook))
-    return write_text_atomic(html_path, body)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``python -m helpers.notebooks [--out build] [--html] [NOTEBOOK ...]``."""
     parser = argparse.ArgumentParser(
@@ -174,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: all, in order)")
     parser.add_argument("--out", default="build", help="folder for executed notebooks and handouts")
-    parser.add_argument("--html", action="store_true", help="also write self-contained HTML handouts")
+    parser.add_argument("--html", action="store_true", help="also write offline HTML handouts (helpers.handouts)")
     return parser.parse_args(argv)
 
 
@@ -188,6 +180,8 @@ def main(args: argparse.Namespace) -> int:
         records = run_notebook(nb, executed, tiny_profile(nb), cwd=out)
         logger.info("  %s records: %s", nb.name, ", ".join(f"{k}={v!r}" for k, v in records.items()))
         if args.html:
+            from helpers.handouts import export_html
+
             logger.info("  handout: %s", export_html(executed, executed.with_suffix(".html")))
     logger.info("executed notebooks and handouts are in %s", out)
     return 0

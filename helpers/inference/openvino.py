@@ -19,6 +19,7 @@ from helpers.inference.common import (
     is_openvino_folder,
 )
 from helpers.inference.concept import check_concept, check_embeds, learned_embeds_file
+from helpers.quiet import quiet_model_loading, tracing_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def load_openvino_pipeline(path: str | os.PathLike, compile: bool = True, precis
             f"first with export_openvino(...) or `python -m helpers.inference export`."
         )
     ov_config = {"INFERENCE_PRECISION_HINT": precision} if precision else None
+    quiet_model_loading()
     return OVStableDiffusionPipeline.from_pretrained(path, compile=compile, ov_config=ov_config)
 
 
@@ -149,14 +151,16 @@ def export_openvino(
     info: dict[str, Any] = {}
 
     def fill(tmp: Path) -> None:
+        quiet_model_loading()
         if is_openvino_folder(path):
             pipe = OVStableDiffusionPipeline.from_pretrained(path, compile=False)
         else:
             logger.info("exporting %s to OpenVINO IR (minutes and GBs for SD v1.5)", path)
             # load_in_8bit=False: keep fp32 weights whatever the model size; int8 is a separate, explicit step
-            pipe = OVStableDiffusionPipeline.from_pretrained(
-                path, export=True, compile=False, load_in_8bit=False
-            )
+            with tracing_quietly():
+                pipe = OVStableDiffusionPipeline.from_pretrained(
+                    path, export=True, compile=False, load_in_8bit=False
+                )
         tokens = (
             insert_learned_embeds(pipe, learned_embeds, placeholder_token, compile=False)
             if learned_embeds

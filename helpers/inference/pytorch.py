@@ -10,6 +10,7 @@ import torch
 from helpers.inference import openvino
 from helpers.inference.common import InferenceInputError, hidden_size, is_openvino, is_openvino_folder
 from helpers.inference.concept import check_concept, check_embeds, learned_embeds_file
+from helpers.quiet import quiet_model_loading
 
 
 def load_learned_embeds(
@@ -61,6 +62,7 @@ def load_pytorch_pipeline(
         raise InferenceInputError(
             f"model {os.fspath(model)!r} is an OpenVINO export. Fix: use load_openvino_pipeline."
         )
+    quiet_model_loading()
     pipe = StableDiffusionPipeline.from_pretrained(
         path, torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False
     )
