@@ -8,8 +8,10 @@ line that names the input and says the fix. Every ``python -m helpers.<x>`` entr
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -23,14 +25,77 @@ INPUT_ERRORS: tuple[type[BaseException], ...] = (
     InputError,
     FileNotFoundError,
     FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
     yaml.YAMLError,
 )
-"""What :func:`run_cli` reports as one line and exit code 2: input errors and missing or clashing files."""
+"""What :func:`run_cli` reports as one line and exit code 2: input errors, and files or folders that
+are missing, clashing, not readable or writable by this user, or a file where a folder is needed
+(or the other way round). Other ``OSError``s (a full disk, an I/O error) and everything else keep
+their traceback: they are not the input's fault, or they are bugs."""
+
+_OS_FIXES = {
+    PermissionError: "check the path's permissions, or choose a path this user can read and write",
+    IsADirectoryError: "pass a file here, not a folder",
+    NotADirectoryError: "a part of this path is a file: pass a folder",
+    FileExistsError: "choose another path, or remove what is there",
+    FileNotFoundError: "check the path",
+}
 
 
 def one_line(err: BaseException) -> str:
-    """The error's message on one line (YAML's parser errors span several: they are joined with '; ')."""
+    """The error's message on one line.
+
+    YAML's parser errors span several lines: they are joined with '; '. An error raised by the
+    operating system (``[Errno 13] Permission denied: 'x'``) becomes ``x: permission denied. Fix: ...``.
+    """
+    if isinstance(err, OSError) and err.strerror and err.filename is not None:
+        fix = next((text for kind, text in _OS_FIXES.items() if isinstance(err, kind)), None)
+        text = f"{os.fsdecode(err.filename)}: {err.strerror[:1].lower()}{err.strerror[1:]}"
+        return f"{text}. Fix: {fix}" if fix else text
     return "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+
+
+def read_yaml(path: str | os.PathLike, what: str = "YAML file", error: type[InputError] = InputError) -> Any:
+    """Parse a YAML file a person wrote; whatever is wrong with the file is one ``error`` naming it.
+
+    Args:
+        path: the file.
+        what: how the message names it, e.g. ``"config file"``.
+        error: the :class:`InputError` subclass to raise (the caller's own).
+
+    Returns:
+        The parsed document (None for an empty file).
+
+    Raises:
+        error: the file is missing, a folder, unreadable, not text, or not valid YAML (the
+            message gives the line and column of the problem).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist. Fix: check the path") from None
+    except IsADirectoryError:
+        raise error(f"{what} {path} is a folder. Fix: pass the YAML file, not the folder") from None
+    except PermissionError:
+        raise error(f"{what} {path} cannot be read (permission denied). Fix: check its permissions") from None
+    except UnicodeDecodeError as err:
+        raise error(
+            f"{what} {path} is not a text file ({err.reason} at byte {err.start}). Fix: pass a YAML file"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = "; ".join(str(p) for p in (err.context, err.problem) if p)
+        raise error(
+            f"{what} {path}{where}: YAML syntax error: {problem}. Fix: correct the YAML there"
+        ) from None
+    except yaml.YAMLError as err:
+        raise error(f"{what} {path}: YAML syntax error: {one_line(err)}. Fix: correct the YAML") from None
 
 
 def run_cli(
