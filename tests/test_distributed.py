@@ -410,3 +410,11 @@ def test_notebook_03_records(notebook_records, notebook_run_dir):
         str(notebook_run_dir / "accelerate_configs" / "accelerate_config_node0.yaml")
     )
     assert (written.num_processes, written.machine_rank, written.use_cpu) == (2, 0, True)
+    # the dry run for notebook 01's planned 3-node cluster: one file per node, head's private IP
+    assert r["example_cluster_files"] == [f"accelerate_config_node{k}.yaml" for k in range(3)]
+    example = [
+        load_config_from_file(str(notebook_run_dir / "accelerate_configs" / "example-cluster" / name))
+        for name in r["example_cluster_files"]
+    ]
+    assert [(c.machine_rank, c.num_machines, c.num_processes) for c in example] == [(k, 3, 6) for k in range(3)]
+    assert {c.main_process_ip for c in example} == {"10.42.1.4"}
