@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import azure, azure_data, notebooks
+from helpers import azure, azure_data, estimates, notebooks
 
 CIDR = "203.0.113.7/32"  # RFC 5737 documentation address
 LOGIN = "Please run 'az login' to setup account."
@@ -218,6 +218,55 @@ def test_cloud_init_installs_the_workshop_on_every_node(spec):
 def test_ssh_source_cidr_open_or_malformed_is_refused(cidr):
     with pytest.raises(azure.AzureSpecError, match=r"ssh_source_cidr=.*Fix:"):
         azure.ClusterSpec(ssh_source_cidr=cidr)
+    with pytest.raises(
+        azure.AzureSpecError, match=r"ssh_source_cidr=.*Fix:"
+    ):  # the opt-in is for wide, not for these
+        azure.ClusterSpec(ssh_source_cidr=cidr, allow_wide_ssh_source=True)
+
+
+@pytest.mark.parametrize(
+    ("cidr", "count", "power", "widest", "single"),
+    [
+        ("0.0.0.0/1", "2,147,483,648", 31, 16, 32),
+        ("10.0.0.0/15", "131,072", 17, 16, 32),
+        ("::/1", "170,141,183,460,469,231,731,687,303,715,884,105,728", 127, 48, 128),
+        ("2001:db8::/47", "2,417,851,639,229,258,349,412,352", 81, 48, 128),
+    ],
+)
+def test_ssh_source_wider_than_a_16_or_a_48_needs_the_explicit_opt_in(cidr, count, power, widest, single):
+    with pytest.raises(azure.AzureSpecError) as err:
+        azure.ClusterSpec(ssh_source_cidr=cidr)
+    assert str(err.value) == (
+        f"ssh_source_cidr={cidr!r} allows SSH from {count} addresses (2^{power}), more than a /{widest}. "
+        f"Fix: use your public IP as a /{single} (or your network's range, at most a /{widest}), or set "
+        "`allow_wide_ssh_source: true` if you mean it"
+    )
+    with pytest.raises(azure.AzureSpecError, match="allow_wide_ssh_source='yes': must be true or false"):
+        azure.ClusterSpec(ssh_source_cidr=cidr, allow_wide_ssh_source="yes")  # only a real true opts in
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec = azure.ClusterSpec(ssh_source_cidr=cidr, allow_wide_ssh_source=True)
+    assert spec.ssh_source_cidr == cidr
+
+
+@pytest.mark.parametrize("cidr", ["10.0.0.0/16", "2001:db8::/48", "2001:db8::7/128", "198.51.100.0/24"])
+def test_ssh_source_up_to_a_16_or_a_48_is_accepted_silently(cidr):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert azure.ClusterSpec(ssh_source_cidr=cidr).ssh_source_cidr == cidr
+
+
+def test_node_count_message_gives_the_real_range():
+    for bad in (0, 1001, -3):
+        with pytest.raises(azure.AzureSpecError) as err:
+            azure.ClusterSpec(ssh_source_cidr=CIDR, node_count=bad)
+        assert str(err.value) == (
+            f"node_count={bad}: must be an integer from 1 to 1000. Fix: 1 head node plus the workers you need"
+        )
+    spec = azure.ClusterSpec(
+        ssh_source_cidr=CIDR, node_count=1000, vnet_prefix="10.0.0.0/8", subnet_prefix="10.1.0.0/16"
+    )
+    assert len(spec.node_names) == 1000
 
 
 @pytest.mark.parametrize(
@@ -235,6 +284,11 @@ def test_ssh_source_cidr_open_or_malformed_is_refused(cidr):
         ({"vm_size": "D8_v5"}, "vm_size"),
         ({"os_disk_gb": 10}, "os_disk_gb"),
         ({"ssh_public_key": "~/.ssh/id_ed25519"}, "ssh_public_key"),
+        ({"allow_wide_ssh_source": "true"}, "allow_wide_ssh_source"),
+        ({"vnet_prefix": 5}, "vnet_prefix"),
+        ({"vnet_prefix": "fd00::/8"}, "vnet_prefix"),
+        ({"subnet_prefix": "10.42.1.0/33"}, "subnet_prefix"),
+        ({"tags": ["a"]}, "tags"),
     ],
 )
 def test_bad_spec_values_raise_one_clear_error(change, field):
@@ -272,6 +326,32 @@ def test_load_spec_from_yaml(tmp_path):
     path.write_text(f"ssh_source_cidr: {CIDR}\nnodes: 2\n")
     with pytest.raises(azure.AzureSpecError, match=r"unknown keys \['nodes'\]"):
         azure.load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("ssh_source_cidr: [unclosed\n", "cluster file {path}, line 2, column 1: YAML syntax error: while parsing a flow sequence; "
+         "expected ',' or ']', but got '<stream end>'. Fix: correct the YAML there"),
+        ("ssh_source_cidr: 203.0.113.7/32\n\tnode_count: 2\n", "cluster file {path}, line 2, column 1: YAML syntax error: "
+         "while scanning for the next token; found character '\\t' that cannot start any token. Fix: correct the YAML there"),
+        ("- ssh_source_cidr: 203.0.113.7/32\n", "{path}: expected a mapping of key: value (as in "
+         "notebooks/cluster.example.yaml), found list. Fix: one `key: value` per line"),
+        ("just text\n", "{path}: expected a mapping of key: value (as in notebooks/cluster.example.yaml), found str. "
+         "Fix: one `key: value` per line"),
+        ("ssh_source_cidr: 203.0.113.7/32\nnode_count: 1001\n", "{path}: node_count=1001: must be an integer from 1 "
+         "to 1000. Fix: 1 head node plus the workers you need"),
+        ("ssh_source_cidr: 0.0.0.0/1\n", "{path}: ssh_source_cidr='0.0.0.0/1' allows SSH from 2,147,483,648 addresses"),
+        ("ssh_source_cidr: ::/1\n", "{path}: ssh_source_cidr='::/1' allows SSH from 170,141,183,"),
+        ("ssh_source_cidr: 203.0.113.7/32\n1: 2\n", "{path}: unknown keys ['1']. Fix: use only"),
+    ],
+)  # fmt: skip
+def test_bad_cluster_yaml_is_one_error_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(content)
+    with pytest.raises(azure.AzureSpecError) as err:
+        azure.load_spec(path)
+    assert str(err.value).startswith(message.format(path=path)) and "\n" not in str(err.value)
 
 
 def test_annotated_example_config_loads_with_only_obvious_placeholders():
@@ -595,7 +675,13 @@ def test_cli_reports_bad_input_in_one_line_with_exit_2_and_az_failures_with_exit
     config.write_text("ssh_source_cidr: [unclosed\n")
     assert azure.cli(["plan", "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: while parsing a flow sequence") and err.count("\n") == 1
+    assert err.startswith(f"error: cluster file {config}, line 2, column 1: YAML syntax error: while parsing")
+    assert err.count("\n") == 1
+    assert azure.cli(["plan", "--config", str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: cluster file {tmp_path} is a folder. Fix: pass the YAML file, not the folder\n"
+    )
     config.write_text(yaml.safe_dump({"ssh_source_cidr": CIDR, "output_dir": spec.output_dir}))
     monkeypatch.setattr(azure.azcli, "run_az", lambda argv: azure.AzResult(1, None, "AuthorizationFailed"))
     assert azure.cli(["teardown", "--config", str(config), "--execute", "--confirm", "sd-workshop-rg"]) == 1
@@ -625,3 +711,6 @@ def test_notebook_01_records(notebook_records):
     assert records["planned_commands"] == len(commands) == 13
     assert records["mutating_commands"] == sum(c.mutating for c in commands) == 12
     assert records["estimated_cost_per_hour"] == azure.estimate_cost(spec).per_hour == 0.823
+    # the cluster's hours: the real run's training time on these nodes plus setup_hours (1.5)
+    training = estimates.cluster_time(spec.vm_size, spec.node_count)
+    assert records["estimated_hours"] == round(training.hours + 1.5, 1) > 1.5

@@ -1,0 +1,156 @@
+"""How long the real workshop's training takes: expected wall time from measured step times.
+
+The notebooks run offline on a toy model in minutes; their real defaults (Stable Diffusion v1.5,
+512 px, 1000 steps) take hours on a small machine. :data:`MEASURED` holds step times measured by
+``bench.train_step`` (each row names its result file in ``bench/results``); :func:`training_time`
+scales the nearest one to a run's settings and a machine's cores, and says how it did. Notebook 02
+shows the estimate for this machine, notebook 01 turns it into the cluster's hours and cost.
+
+The scaling is stated, not hidden: time per step grows with images per process and with pixels
+(from the nearest measured resolution), and shrinks with physical cores per process (linear, which
+is optimistic). A CPU family with no row of its own uses the row of the same precision and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The real defaults of notebook 02 (its parameters cell; a test keeps the two equal).
+WORKSHOP_DEFAULTS = {"max_train_steps": 1000, "resolution": 512, "train_batch_size": 1}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One measured training step of the engine on the Stable Diffusion v1.5 shape."""
+
+    cpu: str
+    native_bf16: bool
+    physical_cores: int
+    resolution: int
+    batch: int
+    precision: str  # "bf16" or "no" (fp32)
+    seconds_per_step: float
+    source: str  # the bench/results file it comes from
+
+
+EPYC = "AMD EPYC (AVX-512, AVX512-BF16)"
+MEASURED: tuple[StepTime, ...] = (
+    StepTime(EPYC, True, 2, 256, 1, "bf16", 1.87, "bench/results/train_step-sd15-shape-256px-bf16.json"),
+    StepTime(EPYC, True, 2, 256, 1, "no", 3.34, "bench/results/train_step-sd15-shape-256px.json"),
+)
+
+
+@dataclass(frozen=True)
+class TrainingTime:
+    """Expected wall time of a training run, with the measurement it is scaled from."""
+
+    seconds: float
+    seconds_per_step: float
+    basis: StepTime
+    scaling: str
+
+    @property
+    def hours(self) -> float:
+        return self.seconds / 3600
+
+    def describe(self) -> str:
+        """One sentence for a person: the estimate, then where it comes from."""
+        b = self.basis
+        return (
+            f"about {_duration(self.seconds)} ({self.seconds_per_step:.3g} s per step), scaled from "
+            f"{b.seconds_per_step:g} s per step measured at {b.resolution} px, batch {b.batch}, "
+            f"{'bf16' if b.precision == 'bf16' else 'fp32'}, on {b.physical_cores} cores of {b.cpu} "
+            f"({b.source}); {self.scaling}"
+        )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def training_time(
+    max_train_steps: int,
+    resolution: int,
+    train_batch_size: int,
+    precision: str,
+    physical_cores: int,
+    processes: int = 1,
+    native_bf16: bool | None = None,
+    cpu: str | None = None,
+) -> TrainingTime:
+    """Expected wall time of ``max_train_steps`` optimizer steps.
+
+    Args:
+        max_train_steps: optimizer steps (each is one batch on every process).
+        resolution: training pixels.
+        train_batch_size: images per process per step.
+        precision: ``"bf16"`` or ``"no"`` (fp32), as resolved for the machine.
+        physical_cores: physical cores of one node (hyper-threads do not count).
+        processes: training processes per node; they split the node's cores.
+        native_bf16: whether the CPU computes bf16 natively (None: unknown); picks the row.
+        cpu: the CPU's name, to say when the measurement comes from another CPU.
+    """
+    rows = [m for m in MEASURED if m.precision == precision] or list(MEASURED)
+    same_family = [m for m in rows if native_bf16 is None or m.native_bf16 == native_bf16]
+    basis = min(same_family or rows, key=lambda m: abs(m.resolution - resolution))
+    cores_per_process = max(1, physical_cores // max(1, processes))
+    per_step = (
+        basis.seconds_per_step
+        * (train_batch_size / basis.batch)
+        * (resolution / basis.resolution) ** 2
+        * (basis.physical_cores / cores_per_process)
+    )
+    notes = []
+    if resolution != basis.resolution:
+        notes.append(f"pixels x{(resolution / basis.resolution) ** 2:g}")
+    if cores_per_process != basis.physical_cores:
+        notes.append(f"{cores_per_process} cores per process, assumed to scale linearly (optimistic)")
+    if precision != basis.precision:
+        notes.append("no measurement in this precision yet")
+    if not same_family or (cpu and basis.cpu.split(" (")[0] not in cpu):
+        notes.append(f"measured on another CPU than {cpu or 'this one'}: its own speed may differ a lot")
+    scaling = "; ".join(notes) or "measured as is"
+    return TrainingTime(per_step * max_train_steps, per_step, basis, scaling)
+
+
+def workshop_time(report) -> TrainingTime:
+    """The real defaults of notebook 02 (:data:`WORKSHOP_DEFAULTS`) on the machine of ``report``
+    (a :func:`helpers.cpu.report`)."""
+    return training_time(**WORKSHOP_DEFAULTS, precision=report.precision, physical_cores=report.physical_cores,
+                         native_bf16=report.native_bf16, cpu=report.model_name)  # fmt: skip
+
+
+def cluster_time(vm_size: str, node_count: int, nproc_per_node: int = 2) -> TrainingTime:
+    """The real defaults' images spread over a cluster of ``vm_size`` nodes (notebooks 03-04).
+
+    The cluster trains on as many images as notebook 02 does on one machine (1000 steps of one
+    image), each process taking one image per step: ``ceil(1000 / world size)`` steps. Hyper-threads
+    do not count (an Azure vCPU is half a core). Mixed fleets (Dv5: Ice Lake or Sapphire Rapids)
+    are estimated for fp32, the precision ``auto`` picks on the slower host.
+    """
+    from helpers import azure_data
+
+    vcpus = azure_data.vcpus(vm_size)
+    if vcpus is None:
+        raise ValueError(f"vm_size={vm_size!r}: not an Azure size name such as Standard_D8_v5")
+    row = azure_data.size_series(vm_size)
+    native = row.native_bf16 if row else None
+    images = WORKSHOP_DEFAULTS["max_train_steps"] * WORKSHOP_DEFAULTS["train_batch_size"]
+    world = node_count * nproc_per_node
+    return training_time(-(-images // world), WORKSHOP_DEFAULTS["resolution"], 1, "bf16" if native else "no",
+                         max(1, vcpus // 2), nproc_per_node, native, row.cpu if row else vm_size)  # fmt: skip
+
+
+def time_box(report) -> str:
+    """Markdown for notebook 02: how long the real run takes on this machine (``report``: cpu.report())."""
+    real = workshop_time(report)
+    d = WORKSHOP_DEFAULTS
+    return (
+        f"> **Time.** The workshop's real run (Stable Diffusion v1.5, {d['max_train_steps']} steps at "
+        f"{d['resolution']} px, batch {d['train_batch_size']}) takes on this machine {real.describe()}. "
+        "Notebook 01 turns the same measurements into the cluster's hours and cost."
+    )

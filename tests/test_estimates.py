@@ -1,0 +1,60 @@
+"""Expected training time: measured rows, stated scaling, the notebooks' real defaults."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import estimates, notebooks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("row", estimates.MEASURED, ids=lambda r: f"{r.resolution}px-{r.precision}")
+def test_every_measured_row_is_its_benchmark_result(row):
+    result = json.loads((ROOT / row.source).read_text())
+    assert (result["model"], result["resolution"], result["batch"]) == ("sd15-shape", row.resolution, row.batch)
+    assert result["mixed_precision"] == row.precision and result["threads"] == row.physical_cores
+    assert round(result["modes"]["ours"]["seconds_per_step"]["median"], 2) == row.seconds_per_step
+    assert row.cpu.startswith(result["machine"]["cpu"])
+    assert ("avx512_bf16" in result["machine"]["isa"]) == row.native_bf16
+
+
+def test_workshop_defaults_are_notebook_02s_parameters():
+    nb = json.loads((notebooks.NOTEBOOK_DIR / "02_single_node_finetune.ipynb").read_text())
+    cell = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
+    values = {s.target.id: ast.literal_eval(s.value) for s in ast.parse("".join(cell["source"])).body}
+    assert {k: values[k] for k in estimates.WORKSHOP_DEFAULTS} == estimates.WORKSHOP_DEFAULTS
+
+
+def test_scaling_from_the_nearest_measurement_is_stated():
+    row = next(m for m in estimates.MEASURED if m.precision == "bf16" and m.resolution == 256)
+    same = estimates.training_time(100, 256, 1, "bf16", row.physical_cores, native_bf16=True)
+    assert same.seconds == pytest.approx(100 * row.seconds_per_step) and same.scaling == "measured as is"
+    bigger = estimates.training_time(100, 512, 2, "bf16", row.physical_cores, native_bf16=True)
+    if bigger.basis is row:  # no 512 px row yet: 4x the pixels, 2x the images
+        assert bigger.seconds_per_step == pytest.approx(8 * row.seconds_per_step)
+        assert bigger.scaling == "pixels x4"
+    fewer_cores = estimates.training_time(10, 256, 1, "bf16", 4, processes=4, native_bf16=True)
+    assert fewer_cores.seconds_per_step == pytest.approx(row.seconds_per_step * row.physical_cores)
+    assert "1 cores per process, assumed to scale linearly" in fewer_cores.scaling
+    other = estimates.training_time(10, 256, 1, "bf16", 2, native_bf16=True, cpu="Intel Xeon Platinum 8480+")
+    assert "measured on another CPU than Intel Xeon Platinum 8480+" in other.scaling
+    assert other.describe().startswith(f"about {10 * row.seconds_per_step:.0f} s (")
+    assert row.source in other.describe()
+
+
+def test_cluster_time_spreads_notebook_02s_images_over_every_process():
+    two = estimates.cluster_time("Standard_D8_v5", node_count=2, nproc_per_node=2)
+    one = estimates.cluster_time("Standard_D8_v5", node_count=1, nproc_per_node=2)
+    assert two.basis.precision == "no"  # Dv5 may land on Ice Lake: fp32 is the safe estimate
+    # 1000 images over 4 processes = 250 steps; over 2 = 500; each process gets 4 vCPU / 2 = 2 cores
+    assert two.seconds == pytest.approx(250 * two.seconds_per_step)
+    assert one.seconds == pytest.approx(500 * one.seconds_per_step) and one.seconds_per_step == two.seconds_per_step
+    assert "measured on another CPU than Xeon Platinum" in two.scaling
+    assert estimates.cluster_time("Standard_D16s_v6", 1).basis.precision == "bf16"  # Emerald Rapids: AMX
+    with pytest.raises(ValueError, match="not an Azure size name"):
+        estimates.cluster_time("big-machine", 1)
