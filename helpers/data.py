@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from helpers.errors import InputError
+from helpers.errors import InputError, run_cli
 from helpers.sources import classify_source
 
 __all__ = [
@@ -460,13 +460,19 @@ def main(args: argparse.Namespace) -> list[Path] | Path:
     return validate_image_folder(args.path, min_size=args.min_size)
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Entry point: print what was produced or checked; bad input exits 2 with one ``error:`` line."""
     from helpers.models import HubUnavailableError
 
-    try:
-        result = main(parse_args())
-    except (ImageFolderError, HubUnavailableError) as err:  # a message for a person, not a traceback
-        raise SystemExit(f"error: {err}") from None
-    for item in result if isinstance(result, list) else [result]:
-        logger.info("%s", item)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    def run(args: argparse.Namespace) -> None:
+        result = main(args)
+        for item in result if isinstance(result, list) else [result]:
+            print(item)
+
+    return run_cli(run, parse_args, list(argv) if argv is not None else None, also=(HubUnavailableError,))
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

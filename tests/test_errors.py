@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 import yaml
 
-from helpers.errors import InputError, run_cli
+from helpers.errors import InputError, read_yaml, run_cli
 
 
 def parse(argv):
@@ -55,7 +58,80 @@ def test_exit_codes_and_other_errors():
     assert issubclass(InputError, ValueError)  # existing `except ValueError` callers keep working
 
 
-@pytest.mark.parametrize("name", ["azure", "environment", "inference", "notebooks"])
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/data/run"),
+         "/data/run: permission denied. Fix: check the path's permissions, or choose a path this user can read "
+         "and write"),
+        (IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), "/data/run"),
+         "/data/run: is a directory. Fix: pass a file here, not a folder"),
+        (NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), "/data/notes.txt/run"),
+         "/data/notes.txt/run: not a directory. Fix: a part of this path is a file: pass a folder"),
+        (FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "/data/x.yaml"),
+         "/data/x.yaml: no such file or directory. Fix: check the path"),
+        (PermissionError("cannot write into /ro: permission denied. Fix: choose another folder"),
+         "cannot write into /ro: permission denied. Fix: choose another folder"),
+    ],
+)  # fmt: skip
+def test_errors_from_the_operating_system_are_one_line_naming_the_path(error, line, capsys):
+    def main(args):
+        raise error
+
+    assert run_cli(main, parse) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+
+
+def test_other_os_errors_are_not_input_errors():
+    def full_disk(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run")
+
+    with pytest.raises(OSError, match="No space left"):  # not the input's fault: keeps its traceback
+        run_cli(full_disk, parse)
+
+
+def test_read_yaml_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "a.yaml"
+    path.write_text("a: 1\nb: {c: 2\n")
+    with pytest.raises(InputError) as err:
+        read_yaml(path, "settings file")
+    assert str(err.value) == (
+        f"settings file {path}, line 3, column 1: YAML syntax error: while parsing a flow mapping; "
+        "expected ',' or '}', but got '<stream end>'. Fix: correct the YAML there"
+    )
+    path.write_text("a: [1, 2]\n")
+    assert read_yaml(path) == {"a": [1, 2]}
+    path.write_text("")
+    assert read_yaml(path) is None
+
+    class MyError(InputError):
+        pass
+
+    with pytest.raises(MyError, match=f"YAML file {tmp_path / 'none.yaml'} does not exist"):
+        read_yaml(tmp_path / "none.yaml", error=MyError)
+    with pytest.raises(MyError, match="is a folder"):
+        read_yaml(tmp_path, error=MyError)
+
+
+def test_read_yaml_unreadable_file(tmp_path, monkeypatch):
+    path = tmp_path / "a.yaml"
+    path.write_text("a: 1\n")
+    if os.geteuid() == 0:  # root reads whatever the mode: simulate what open() says to other users
+
+        def denied(self, *args, **kwargs):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+
+        monkeypatch.setattr(type(path), "read_text", denied)
+    else:
+        path.chmod(0)
+    with pytest.raises(InputError) as err:
+        read_yaml(path)
+    assert (
+        str(err.value) == f"YAML file {path} cannot be read (permission denied). Fix: check its permissions"
+    )
+
+
+@pytest.mark.parametrize("name", ["azure", "data", "environment", "inference", "notebooks"])
 def test_entry_points_have_the_one_cli_shape(name):
     import importlib
     import inspect

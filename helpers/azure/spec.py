@@ -15,13 +15,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from helpers import azure_data
-from helpers.errors import InputError
+from helpers.errors import InputError, read_yaml
 
 PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
 OPEN_TO_EVERYONE = {"*", "0.0.0.0", "0.0.0.0/0", "::/0", "internet", "any"}
+MAX_NODES = 1000
+"""Most nodes a spec may ask for (the subnet must hold them too)."""
+WIDEST_SSH_PREFIX = {4: 16, 6: 48}
+"""Widest SSH source range accepted without ``allow_wide_ssh_source: true``: a /16 (IPv4), a /48 (IPv6)."""
 
 
 class AzureSpecError(InputError):
@@ -38,10 +40,12 @@ class ClusterSpec:
 
     ``node_count`` counts every node: one head (with a public IP) and ``node_count - 1`` workers.
     Values such as ``<YOUR_PUBLIC_IP>/32`` are placeholders: fine for a plan, refused by
-    :func:`apply` when it executes.
+    :func:`apply` when it executes. ``ssh_source_cidr`` wider than a /16 (IPv4) or a /48 (IPv6)
+    is refused unless ``allow_wide_ssh_source`` is ``true``; the whole internet never is.
     """
 
     ssh_source_cidr: str
+    allow_wide_ssh_source: bool = False
     resource_group: str = "sd-workshop-rg"
     location: str = "eastus"
     vm_size: str = "Standard_D8_v5"
@@ -96,7 +100,9 @@ def _integer(low: int, high: int) -> Callable[[Any], bool]:
 
 # field: (is it valid?, the problem, the fix); checked in this order
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "node_count": (_integer(1, 1000), "must be an integer >= 1", "1 head node plus the workers you need"),
+    "node_count": (_integer(1, MAX_NODES), f"must be an integer from 1 to {MAX_NODES}",
+                   "1 head node plus the workers you need"),
+    "allow_wide_ssh_source": (lambda v: isinstance(v, bool), "must be true or false", "leave it false"),
     "resource_group": (_matches(r"[-\w.()]{1,89}[-\w()]"), "not a resource group name", "use letters, digits, -_.()"),
     "location": (_matches(r"[a-z0-9]+"), "not an Azure region name", "e.g. eastus (az account list-locations)"),
     "vm_size": (_matches(r"Standard_\w+"), "not an Azure VM size", "e.g. Standard_D8_v5 or Standard_D8s_v6"),
@@ -111,38 +117,53 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 }  # fmt: skip
 
 
-def _validate(spec: ClusterSpec) -> None:
-    """Check every field; raise one :class:`AzureSpecError` naming the first bad one and its fix."""
-    cidr = str(spec.ssh_source_cidr).strip()
+def _check_ssh_source(cidr: str, allow_wide: bool) -> None:
     world = (
         f"ssh_source_cidr={cidr!r}: this opens SSH to the whole internet. Fix: use your public IP as a /32"
     )
     if cidr.lower() in OPEN_TO_EVERYONE:
         raise AzureSpecError(world)
-    if not PLACEHOLDER.search(cidr):
-        try:
-            net = ipaddress.ip_network(cidr, strict=True)
-        except ValueError as err:
-            raise AzureSpecError(
-                f"ssh_source_cidr={cidr!r}: not a CIDR ({err}). Fix: e.g. 203.0.113.7/32"
-            ) from None
-        if net.prefixlen == 0:
-            raise AzureSpecError(world)
-        if net.version == 4 and net.prefixlen < 16:
-            warnings.warn(
-                f"ssh_source_cidr={cidr} allows SSH from {net.num_addresses} addresses", stacklevel=4
-            )
+    if PLACEHOLDER.search(cidr):
+        return  # fine for a plan; apply refuses to execute it
+    try:
+        net = ipaddress.ip_network(cidr, strict=True)
+    except ValueError as err:
+        raise AzureSpecError(
+            f"ssh_source_cidr={cidr!r}: not a CIDR ({err}). Fix: e.g. 203.0.113.7/32"
+        ) from None
+    if net.prefixlen == 0:
+        raise AzureSpecError(world)
+    widest = WIDEST_SSH_PREFIX[net.version]
+    if net.prefixlen < widest and allow_wide is not True:
+        raise AzureSpecError(
+            f"ssh_source_cidr={cidr!r} allows SSH from {net.num_addresses:,} addresses "
+            f"(2^{net.max_prefixlen - net.prefixlen}), more than a /{widest}. Fix: use your public IP as a "
+            f"/{net.max_prefixlen} (or your network's range, at most a /{widest}), or set "
+            f"`allow_wide_ssh_source: true` if you mean it"
+        )
+
+
+def _private_range(name: str, value: Any) -> ipaddress.IPv4Network:
+    fix = "Fix: e.g. 10.42.0.0/16 and 10.42.1.0/24"
+    try:
+        net = ipaddress.ip_network(value) if isinstance(value, str) else None
+    except ValueError as err:
+        raise AzureSpecError(f"{name}={value!r}: {err}. {fix}") from None
+    if not isinstance(net, ipaddress.IPv4Network):
+        raise AzureSpecError(f"{name}={value!r}: not an IPv4 range in CIDR notation. {fix}")
+    return net
+
+
+def _validate(spec: ClusterSpec) -> None:
+    """Check every field; raise one :class:`AzureSpecError` naming the first bad one and its fix."""
     for name, (valid, problem, fix) in _CHECKS.items():
         if not valid(value := getattr(spec, name)):
             raise AzureSpecError(f"{name}={value!r}: {problem}. Fix: {fix}")
+    _check_ssh_source(str(spec.ssh_source_cidr).strip(), spec.allow_wide_ssh_source)
     if azure_data.size_series(spec.vm_size) is None:
         warnings.warn(azure_data.bf16_advice(spec.vm_size), UnknownVmSizeWarning, stacklevel=4)
-    try:
-        vnet, subnet = ipaddress.ip_network(spec.vnet_prefix), ipaddress.ip_network(spec.subnet_prefix)
-    except ValueError as err:
-        raise AzureSpecError(
-            f"vnet_prefix/subnet_prefix: {err}. Fix: e.g. 10.42.0.0/16 and 10.42.1.0/24"
-        ) from None
+    vnet = _private_range("vnet_prefix", spec.vnet_prefix)
+    subnet = _private_range("subnet_prefix", spec.subnet_prefix)
     if not subnet.subnet_of(vnet):
         raise AzureSpecError(
             f"subnet_prefix={spec.subnet_prefix!r}: not inside {spec.vnet_prefix}. Fix: a sub-range"
@@ -157,20 +178,30 @@ def load_spec(path: str | os.PathLike) -> ClusterSpec:
     """Read a :class:`ClusterSpec` from YAML (see ``notebooks/cluster.example.yaml``).
 
     Raises:
-        AzureSpecError: no such file, unknown keys, no ``ssh_source_cidr`` or an invalid value.
+        AzureSpecError: no such file, not readable, not YAML (file and line named), not a mapping,
+            unknown keys, no ``ssh_source_cidr`` or an invalid value.
     """
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise AzureSpecError(
             f"{path} does not exist. Fix: copy notebooks/cluster.example.yaml and fill it in"
         )
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = read_yaml(path, "cluster file", AzureSpecError)
+    data = {} if data is None else data
     known = [f.name for f in fields(ClusterSpec)]
-    if not isinstance(data, dict) or set(data) - set(known):
-        extra = sorted(set(data) - set(known)) if isinstance(data, dict) else data
-        raise AzureSpecError(f"{path}: unknown keys {extra}. Fix: use only {known}")
+    if not isinstance(data, dict):
+        raise AzureSpecError(
+            f"{path}: expected a mapping of key: value (as in notebooks/cluster.example.yaml), "
+            f"found {type(data).__name__}. Fix: one `key: value` per line"
+        )
+    unknown = sorted(map(str, set(data) - set(known)))
+    if unknown:
+        raise AzureSpecError(f"{path}: unknown keys {unknown}. Fix: use only {known}")
     if "ssh_source_cidr" not in data:
         raise AzureSpecError(
             f"{path}: ssh_source_cidr is required (there is no open-to-the-world default). "
             "Fix: add `ssh_source_cidr: <your public IP>/32`; `curl -s https://ifconfig.me` shows your IP"
         )
-    return ClusterSpec(**data)
+    try:
+        return ClusterSpec(**data)
+    except AzureSpecError as err:
+        raise AzureSpecError(f"{path}: {err}") from None

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from helpers.errors import run_cli
-from helpers.inference.common import WEIGHT_FORMATS, is_openvino_folder
+from helpers.inference.common import WEIGHT_FORMATS, InferenceInputError, is_openvino_folder
+from helpers.inference.concept import read_learned_embeds
 from helpers.inference.generation import generate, save_images
 from helpers.inference.openvino import export_info, export_openvino, load_openvino_pipeline, reshape_static
 from helpers.inference.parity import compare
@@ -65,8 +66,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The checks that need no model: run before anything is loaded, so bad input fails in a second.
+
+    Raises:
+        FileNotFoundError, InferenceInputError: the embeddings file is missing, empty, corrupt or
+            not finite; ``--output_dir`` is a file (or lies under one); ``--openvino_dir`` is not an export.
+    """
+    if args.learned_embeds is not None:
+        read_learned_embeds(args.learned_embeds)
+    out = getattr(args, "output_dir", None)
+    if out is not None:
+        for path in (Path(out), *Path(out).parents):
+            if path.exists():
+                if not path.is_dir():
+                    where = "is a file" if path == Path(out) else f"lies under {path}, which is a file"
+                    raise InferenceInputError(
+                        f"--output_dir {out!r} {where}. Fix: pass a folder (it is created if missing)"
+                    )
+                break
+    ov_dir = getattr(args, "openvino_dir", None)
+    if ov_dir is not None and not is_openvino_folder(Path(ov_dir)):
+        raise InferenceInputError(
+            f"--openvino_dir {ov_dir!r} is not an exported OpenVINO pipeline (no unet/openvino_model.xml). "
+            f"Fix: export first with `python -m helpers.inference export`."
+        )
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run one command of :func:`parse_args`; returns its results (also logged)."""
+    check_args(args)
     if args.command == "export":
         out = export_openvino(
             args.model,

@@ -80,8 +80,10 @@ def read_learned_embeds(path: str | os.PathLike) -> tuple[str, torch.Tensor]:
 
     Raises:
         FileNotFoundError: no such file (or no ``learned_embeds.safetensors`` in the folder).
-        InferenceInputError: not a single-token safetensors embedding file.
+        InferenceInputError: not a single-token safetensors embedding file (empty, corrupt, other
+            tensors), or its vectors are not finite (a diverged run).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = learned_embeds_file(path)
@@ -94,7 +96,15 @@ def read_learned_embeds(path: str | os.PathLike) -> tuple[str, torch.Tensor]:
         raise InferenceInputError(
             f"learned_embeds {str(path)!r}: expected a .safetensors file like {LEARNED_EMBEDS}"
         )
-    state = load_file(str(path))
+    fix = f"Fix: pass the {LEARNED_EMBEDS} of a finished run, or train again."
+    if path.stat().st_size == 0:
+        raise InferenceInputError(f"learned_embeds {str(path)!r} is empty (0 bytes). {fix}")
+    try:
+        state = load_file(str(path))
+    except SafetensorError as err:
+        raise InferenceInputError(
+            f"learned_embeds {str(path)!r} is not a readable safetensors file ({err}). {fix}"
+        ) from None
     if len(state) != 1:
         raise InferenceInputError(
             f"learned_embeds {str(path)!r} holds {len(state)} tensors ({', '.join(state)}); expected one "
@@ -103,9 +113,17 @@ def read_learned_embeds(path: str | os.PathLike) -> tuple[str, torch.Tensor]:
         )
     token, vectors = next(iter(state.items()))
     vectors = vectors[None] if vectors.ndim == 1 else vectors
-    if vectors.ndim != 2:
+    if vectors.ndim != 2 or vectors.shape[0] == 0 or not vectors.is_floating_point():
         raise InferenceInputError(
-            f"learned_embeds {str(path)!r}: tensor shape {tuple(vectors.shape)} is not 2-D"
+            f"learned_embeds {str(path)!r}: tensor {token!r} of shape {tuple(vectors.shape)} and type "
+            f"{vectors.dtype} is not [num_vectors, hidden] floating-point vectors. {fix}"
+        )
+    bad = int((~torch.isfinite(vectors)).sum())
+    if bad:
+        raise InferenceInputError(
+            f"learned_embeds {str(path)!r}: {bad} of the {vectors.numel()} numbers of {token!r} are NaN or "
+            f"infinite (training diverged), so every picture would be blank. Fix: train again with a lower "
+            f"learning_rate."
         )
     return token, vectors.float()
 
