@@ -2,14 +2,23 @@
 
 Every writer in the project goes through these: a temporary sibling is filled, then renamed into
 place (a rename within one folder is atomic on POSIX). On any error the temporary is removed and
-the destination is left as it was.
+the destination is left as it was; a failing clean-up never hides the original error.
+
+What is written gets the user's normal mode, as if created with ``open()``/``mkdir``: files
+``0o666 & ~umask`` (``0o777 & ~umask`` if the writer made them executable), folders
+``0o777 & ~umask``. Third-party writers often create private files (safetensors writes 0600,
+``tempfile.mkstemp`` 0600, ``mkdtemp`` 0700): on a shared machine other users could not read the
+result, so the modes are set explicitly before the rename.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -24,23 +33,104 @@ def _sibling(path: Path, tag: str) -> Path:
     return path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.{tag}{path.suffix}")
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: the only portable way is to set it and put it back
+    os.umask(mask)
+    return mask
+
+
+def normal_mode(path: str | os.PathLike, umask: int | None = None) -> None:
+    """Give ``path`` (a file or a folder, and everything in a folder) the mode ``open``/``mkdir`` give.
+
+    Files get ``0o666 & ~umask`` (``0o777 & ~umask`` if any execute bit is set), folders
+    ``0o777 & ~umask``. Symbolic links are left alone.
+    """
+    umask = current_umask() if umask is None else umask
+    path = Path(path)
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        os.chmod(path, 0o777 & ~umask)
+        for child in path.iterdir():
+            normal_mode(child, umask)
+    else:
+        full = 0o777 if st.st_mode & 0o111 else 0o666
+        os.chmod(path, full & ~umask)
+
+
+def _cannot_write(folder: Path, err: OSError) -> OSError:
+    """The error for a folder this user cannot write into (or a read-only file system), naming it."""
+    why = "read-only file system" if err.errno == errno.EROFS else "permission denied"
+    new = PermissionError(
+        f"cannot write into {folder}: {why}. Fix: choose a folder you can write to, or make this one writable"
+    )
+    new.errno = err.errno
+    return new
+
+
+def _make_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # the parent, or one of its parents, is a file
+        blocker = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+        raise NotADirectoryError(
+            f"cannot create {path}: {blocker} is a file, not a folder. Fix: choose another path"
+        ) from None
+    except PermissionError as err:
+        existing = next(p for p in path.parents if p.exists())
+        raise _cannot_write(existing, err) from None
+
+
+def _discard(path: Path) -> None:
+    """Remove a temporary file or folder; a failure here must not hide the error being handled."""
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Create the file ``path`` atomically from a writer that wants a file name.
 
-    ``write(tmp)`` creates the file ``tmp`` (a hidden sibling with the same suffix), which is
-    then renamed to ``path``. Use it for tools that take a path (papermill, ``Image.save``);
-    :func:`write_file_atomic` for ones that take an open file.
+    ``write(tmp)`` creates the file ``tmp`` (a hidden sibling with the same suffix, already
+    created empty, so a folder that cannot be written fails here, naming the folder), which is
+    then given the user's normal mode and renamed to ``path``. Use it for tools that take a path
+    (papermill, ``Image.save``, safetensors' ``save_file``); :func:`write_file_atomic` for ones
+    that take an open file.
 
     Parents are created; on any error the temporary is removed and ``path`` is left as it was.
+
+    Raises:
+        PermissionError: the folder cannot be written (message names the folder; raised once).
+        NotADirectoryError: a file is where a parent folder should be.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path)
     tmp = _sibling(path, "tmp")
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except PermissionError as err:
+        raise _cannot_write(path.parent, err) from None
+    except OSError as err:
+        if err.errno != errno.EROFS:
+            raise
+        raise _cannot_write(path.parent, err) from None
+    try:
         write(tmp)
+        normal_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
     return path
 
@@ -49,7 +139,7 @@ def write_file_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], objec
     """Create ``path`` atomically: ``write(fh)`` fills a temporary sibling, which is then renamed.
 
     Parents are created; on any error the temporary is removed and ``path`` is left as it was.
-    The file gets the usual permissions (the umask's).
+    The file gets the user's normal mode (``0o666 & ~umask``).
     """
 
     def fill(tmp: Path) -> None:
@@ -84,7 +174,7 @@ def replace_dir_atomic(
     deleted. At every moment the old complete folder or the new complete one exists: between the
     two renames the old one is at its aside name (``.<name>.<pid>-<hex>.old``), and if the second
     rename fails it is put back. If ``fill`` raises, ``path`` is untouched. The temporary is always
-    removed.
+    removed. The new folder and everything in it get the user's normal modes (:func:`normal_mode`).
 
     Args:
         path: the folder to create or replace.
@@ -97,12 +187,16 @@ def replace_dir_atomic(
         ``path``.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path)
     tmp = _sibling(path, "tmp")
-    tmp.mkdir()  # not tempfile.mkdtemp: that makes it 0700; this honours the umask like any folder
+    try:
+        tmp.mkdir()
+    except PermissionError as err:
+        raise _cannot_write(path.parent, err) from None
     try:
         fill(tmp)
         if keep_existing:
+            normal_mode(tmp)
             try:
                 os.rename(tmp, path)  # fails if another builder's non-empty folder is there
             except OSError:
@@ -111,7 +205,7 @@ def replace_dir_atomic(
             return path
         return move_dir_into_place(tmp, path)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
 
 
 def move_dir_into_place(src: str | os.PathLike, path: str | os.PathLike) -> Path:
@@ -119,26 +213,29 @@ def move_dir_into_place(src: str | os.PathLike, path: str | os.PathLike) -> Path
 
     For writers that must fill a folder of their own naming, e.g. several processes saving into
     one shared checkpoint folder: the old ``path`` is renamed aside, ``src`` renamed to ``path``,
-    then the old one deleted; if the second rename fails the old one is put back.
+    then the old one deleted; if the second rename fails the old one is put back. ``src`` and
+    everything in it first get the user's normal modes (:func:`normal_mode`).
 
     Returns:
         ``path``.
     """
     src, path = Path(src), Path(path)
+    normal_mode(src)  # e.g. mkdtemp's 0700, safetensors' 0600 inside
     old = _sibling(path, "old")
     moved_aside = False
     if path.exists() or path.is_symlink():
-        os.rename(path, old)
+        try:
+            os.rename(path, old)
+        except PermissionError as err:
+            raise _cannot_write(path.parent, err) from None
         moved_aside = True
     try:
         os.rename(src, path)
     except BaseException:
         if moved_aside:
-            os.rename(old, path)
+            with contextlib.suppress(OSError):  # the original error matters more than this one
+                os.rename(old, path)
         raise
     if moved_aside:
-        if old.is_symlink():
-            old.unlink()
-        else:
-            shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
     return path

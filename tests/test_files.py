@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -149,3 +152,180 @@ def test_move_dir_into_place_swaps_a_folder_filled_by_name(tmp_path):
     (shared / "new").write_text("2")
     assert move_dir_into_place(shared, dest) == dest
     assert names(dest) == ["new"] and names(tmp_path) == ["checkpoint-4"]
+
+
+# --- errors: one error naming the folder, never masked by the clean-up ---------------------------
+
+
+def _deny_writes_in(monkeypatch, folder):
+    """What the OS says to a user without write permission in ``folder`` (root is never told)."""
+    real_open, real_mkdir = os.open, type(folder).mkdir
+
+    def open_(path, flags, mode=0o777, *args, **kwargs):
+        if os.path.dirname(os.fspath(path)) == os.fspath(folder) and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real_open(path, flags, mode, *args, **kwargs)
+
+    def mkdir(self, *args, **kwargs):
+        if self.parent == folder:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(files.os, "open", open_)
+    monkeypatch.setattr(type(folder), "mkdir", mkdir)
+
+
+def _read_only_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    (folder / "old.txt").write_text("old")
+    if os.geteuid() == 0:  # chmod does not stop root: simulate the refusal instead
+        _deny_writes_in(monkeypatch, folder)
+    else:
+        folder.chmod(0o555)
+    return folder
+
+
+def _assert_cannot_write(err, folder):
+    assert str(err.value) == (
+        f"cannot write into {folder}: permission denied. Fix: choose a folder you can write to, "
+        "or make this one writable"
+    )
+    assert err.value.errno == errno.EACCES
+    # raised once: no "During handling of the above exception, another exception occurred"
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_a_read_only_folder_gives_one_error_naming_it(tmp_path, monkeypatch):
+    folder = _read_only_folder(tmp_path, monkeypatch)
+    try:
+        with pytest.raises(PermissionError) as err:
+            write_text_atomic(folder / "learned_embeds.safetensors", "new")
+        _assert_cannot_write(err, folder)
+        with pytest.raises(PermissionError) as err:
+            replace_dir_atomic(folder / "pipeline", fill_with({"a": "1"}))
+        _assert_cannot_write(err, folder)
+        assert names(folder) == ["old.txt"]
+    finally:
+        folder.chmod(0o755)
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes into read-only folders (the simulated test covers it)"
+)
+def test_a_really_read_only_folder(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        with pytest.raises(PermissionError) as err:
+            write_bytes_atomic(folder / "x.bin", b"x")
+        _assert_cannot_write(err, folder)
+    finally:
+        folder.chmod(0o755)
+
+
+def test_a_failing_clean_up_never_hides_the_original_error(tmp_path, monkeypatch):
+    def crash(tmp):
+        tmp.write_text("half")
+        raise Crash("the writer's own error")
+
+    def unlink(self, missing_ok=False):
+        raise PermissionError(errno.EROFS, "clean-up failed too", str(self))
+
+    monkeypatch.setattr(type(tmp_path), "unlink", unlink)
+    with pytest.raises(Crash, match="the writer's own error") as err:
+        write_path_atomic(tmp_path / "out.txt", crash)
+    assert err.value.__context__ is None  # the clean-up's failure is not chained onto it
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_a_failing_put_back_never_hides_the_failed_rename(tmp_path, monkeypatch):
+    dest = tmp_path / "pipeline"
+    replace_dir_atomic(dest, fill_with({"a": "old"}))
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if ".tmp" in os.fspath(src):
+            raise OSError(errno.EIO, "the final rename failed")
+        if ".old" in os.fspath(src):
+            raise OSError(errno.EIO, "putting the old folder back failed too")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", rename)
+    with pytest.raises(OSError, match="the final rename failed") as err:
+        replace_dir_atomic(dest, fill_with({"a": "new"}))
+    assert err.value.__context__ is None
+
+
+def test_a_file_where_a_folder_is_needed_is_named(tmp_path):
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(NotADirectoryError) as err:
+        write_text_atomic(tmp_path / "out" / "run" / "history.json", "[]")
+    assert str(err.value) == (
+        f"cannot create {tmp_path / 'out' / 'run' / 'history.json'}: {tmp_path / 'out'} is a file, not a folder. "
+        "Fix: choose another path"
+    )
+    assert (tmp_path / "out").read_text() == "a file"
+
+
+# --- modes: the user's umask, whatever the writer created ----------------------------------------
+
+
+@pytest.fixture(
+    params=[(0o022, 0o644, 0o755), (0o077, 0o600, 0o700), (0o002, 0o664, 0o775)],
+    ids=lambda p: f"umask-{p[0]:03o}",
+)
+def umask(request):
+    """Runs the test under this umask: yields (umask, the files' mode, the folders' mode)."""
+    old = os.umask(request.param[0])
+    yield request.param
+    os.umask(old)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_current_umask_reads_without_changing_it(umask):
+    mask, _, _ = umask
+    assert files.current_umask() == mask
+    assert files.current_umask() == mask
+
+
+def test_files_get_the_umask_mode_whatever_the_writer_made(tmp_path, umask):
+    import torch
+    from safetensors.torch import save_file
+
+    _, file_mode, dir_mode = umask
+    assert mode(write_text_atomic(tmp_path / "a.json", "{}")) == file_mode
+    private = write_path_atomic(
+        tmp_path / "b.safetensors", lambda tmp: save_file({"t": torch.zeros(2)}, str(tmp))
+    )
+    assert mode(private) == file_mode  # safetensors itself writes 0600
+    assert mode(write_path_atomic(tmp_path / "c.bin", lambda tmp: tmp.chmod(0o600))) == file_mode
+    assert (
+        mode(write_path_atomic(tmp_path / "run.sh", lambda tmp: tmp.chmod(0o700))) == dir_mode
+    )  # executable stays so
+    assert mode(write_text_atomic(tmp_path / "new" / "d.txt", "x").parent) == dir_mode  # created parents too
+
+
+def test_folders_get_the_umask_mode_even_from_mkdtemp_and_mkstemp(tmp_path, umask):
+    import tempfile
+
+    _, file_mode, dir_mode = umask
+
+    def fill(folder):
+        sub = Path(tempfile.mkdtemp(dir=folder))  # 0700
+        fd, name = tempfile.mkstemp(dir=sub)  # 0600
+        os.close(fd)
+        (folder / "link").symlink_to(name)
+
+    dest = replace_dir_atomic(tmp_path / "pipeline", fill)
+    (sub,) = [p for p in dest.iterdir() if p.is_dir() and not p.is_symlink()]
+    (inner,) = list(sub.iterdir())
+    assert (mode(dest), mode(sub), mode(inner)) == (dir_mode, dir_mode, file_mode)
+    src = Path(tempfile.mkdtemp(dir=tmp_path, prefix=".checkpoint-2."))  # how the engine fills a checkpoint
+    assert mode(src) == 0o700
+    assert mode(move_dir_into_place(src, tmp_path / "checkpoint-2")) == dir_mode
+    assert mode(replace_dir_atomic(tmp_path / "cache", fill, keep_existing=True)) == dir_mode
