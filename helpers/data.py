@@ -20,12 +20,13 @@ import argparse
 import logging
 import os
 import random
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from helpers.errors import InputError, run_cli
 from helpers.sources import classify_source
@@ -34,6 +35,7 @@ __all__ = [
     "DEFAULT_CONCEPT_REPO",
     "IMAGE_EXTENSIONS",
     "ConceptDataset",
+    "ConceptImagesWarning",
     "ImageFolderError",
     "download_concept",
     "imagenet_style_templates_small",
@@ -52,10 +54,7 @@ CONCEPT_IMAGES_SUBDIR = "concept_images"
 IMAGE_EXTENSIONS = frozenset(
     {".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 )
-# Files people keep next to their pictures that are not training data; everything else that is
-# not an image is reported, because a stray file usually means the wrong folder was given.
-_METADATA_STEMS = ("readme", "license", "licence", "notice", "attribution", "credits")
-_METADATA_NAMES = frozenset({"thumbs.db", "desktop.ini"})
+"""Extensions that promise a picture: such a file that Pillow cannot read is refused, not skipped."""
 
 # The prompt templates of the diffusers textual-inversion example, in the same order and with
 # the same duplicates (they weight the random choice).
@@ -121,6 +120,10 @@ def render_sample_concept(dest: str | os.PathLike, seed: int = 0) -> list[Path]:
     return render_pip_pictures(dest, seed)
 
 
+class ConceptImagesWarning(UserWarning):
+    """The concept folder is usable but not as given: files skipped, or pictures that will be resized up."""
+
+
 class ImageFolderError(InputError):
     """A concept-image folder cannot be used; the message lists every problem and the fix.
 
@@ -156,7 +159,8 @@ def resolve_concept(concept: str | os.PathLike, min_size: int = 0) -> Path:
     Args:
         concept: ``"sample"`` (the bundled toy), a folder of images, or a Hub repo id such as
             ``sd-concepts-library/dicoo`` (downloaded into ``concepts/``).
-        min_size: smallest allowed shorter image side (the training resolution).
+        min_size: the training resolution: smaller pictures are named in one warning (they are
+            resized up, as diffusers does).
 
     Returns:
         The folder of images.
@@ -172,33 +176,57 @@ def resolve_concept(concept: str | os.PathLike, min_size: int = 0) -> Path:
     return folder
 
 
-def _is_ignored(path: Path) -> bool:
-    """Hidden files (``.DS_Store``, ``.gitattributes``, the Hub's ``.cache``) and known
-    metadata files (README.md, LICENSE, ...) are skipped; an image is never skipped."""
-    name = path.name.lower()
-    if name.startswith(".") or name in _METADATA_NAMES:
-        return True
-    return name.split(".")[0] in _METADATA_STEMS and path.suffix.lower() not in IMAGE_EXTENSIONS
+def _open_picture(file: Path) -> tuple[str, tuple[int, int] | str | None]:
+    """``("image", (w, h))``, ``("not_image", None)`` or ``("problem", why)`` for one file.
+
+    A file is a picture if Pillow recognises it, whatever its name (diffusers' script opens every
+    file); one that claims a picture's extension but is not one, is empty or cannot be read is a
+    problem.
+    """
+    claims_image = file.suffix.lower() in IMAGE_EXTENSIONS
+    try:
+        size = file.stat().st_size
+        if size == 0:
+            return ("problem", "empty file (0 bytes)") if claims_image else ("not_image", None)
+        # verify() checks structure without decoding pixels and leaves the file unusable,
+        # so reopen and load() to catch truncated pixel data too.
+        with Image.open(file) as img:
+            img.verify()
+        with Image.open(file) as img:
+            img.load()
+            return "image", img.size
+    except UnidentifiedImageError:
+        if claims_image:
+            return "problem", "not a readable image (Pillow does not recognise its content)"
+        return "not_image", None
+    except OSError as err:
+        if err.errno is not None:  # the file itself could not be read (permissions, I/O)
+            return "problem", f"cannot be read ({err.strerror})"
+        return "problem", f"corrupt or truncated image ({type(err).__name__}: {err})"
+    except Exception as err:  # any other decoder failure means the file cannot be trained on
+        return "problem", f"corrupt or truncated image ({type(err).__name__}: {err})"
 
 
 def validate_image_folder(path: str | os.PathLike, min_size: int = 0) -> list[Path]:
     """Check a folder of training images and return them; never writes anything.
 
-    Every image is fully decoded, so corrupt and truncated files are found here rather than in
-    the middle of training. Ignored: hidden files (``.DS_Store``, ``.gitattributes``), metadata
-    files named README, LICENSE, NOTICE, ATTRIBUTION or CREDITS (any non-image extension,
-    e.g. ``README.md``) and subfolders. Any other file that is not an image is reported.
+    Accepts what diffusers' script accepts, and refuses only what cannot work. Every picture is
+    fully decoded, so corrupt and truncated files are found here rather than in the middle of
+    training. Files that are not pictures (``README.md``, ``.DS_Store``, ``notes.txt``) are
+    skipped, named in one :class:`ConceptImagesWarning` (diffusers' script would crash on them).
+    Pictures smaller than ``min_size`` are kept, named in one warning: training resizes them up,
+    as diffusers does. Subfolders are not searched.
 
     Args:
-        path: the folder holding the concept images (not searched recursively).
-        min_size: smallest allowed shorter side in pixels (use the training resolution);
-            0 accepts any size.
+        path: the folder holding the concept images.
+        min_size: the training resolution (0: no size warning).
 
     Returns:
-        The image files, sorted by name.
+        The pictures, sorted by name.
 
     Raises:
-        ImageFolderError: one error listing every problem found, and how to fix it.
+        ImageFolderError: the folder is missing or a file, holds no picture, or holds files that
+            claim to be pictures but are empty, corrupt or unreadable (every one listed, with the fix).
     """
     folder = Path(path)
     if not folder.exists():
@@ -214,47 +242,55 @@ def validate_image_folder(path: str | os.PathLike, min_size: int = 0) -> list[Pa
             [(folder, "is a file, not a folder")],
             "pass the folder that contains this image, not the image.",
         )
-    entries = sorted(folder.iterdir())
-    subfolders = [p for p in entries if p.is_dir() and not _is_ignored(p)]
-    candidates = [p for p in entries if p.is_file() and not _is_ignored(p)]
+    try:
+        entries = sorted(folder.iterdir())
+    except PermissionError:
+        raise ImageFolderError(
+            folder, [(folder, "cannot be read (permission denied)")], "check the folder's permissions."
+        ) from None
+    subfolders = [p for p in entries if p.is_dir() and not p.name.startswith(".")]
     images: list[Path] = []
+    small: list[str] = []
+    skipped: list[str] = []
     problems: list[tuple[Path, str]] = []
-    for file in candidates:
-        if file.suffix.lower() not in IMAGE_EXTENSIONS:
-            problems.append((file, f"not an image file (extension {file.suffix or 'none'!r})"))
-            continue
-        try:
-            # verify() checks structure without decoding pixels and leaves the file unusable,
-            # so reopen and load() to catch truncated pixel data too.
-            with Image.open(file) as img:
-                img.verify()
-            with Image.open(file) as img:
-                img.load()
-                width, height = img.size
-        except Exception as err:  # any decoder failure means the file cannot be trained on
-            problems.append((file, f"corrupt or truncated image ({type(err).__name__}: {err})"))
-            continue
-        if min(width, height) < min_size:
-            problems.append(
-                (file, f"too small: {width}x{height}, shorter side must be at least {min_size} px")
-            )
-            continue
-        images.append(file)
+    for file in (p for p in entries if not p.is_dir()):
+        kind, detail = _open_picture(file)
+        if kind == "problem":
+            problems.append((file, detail))
+        elif kind == "not_image":
+            skipped.append(file.name)
+        else:
+            images.append(file)
+            if min(detail) < min_size:
+                small.append(f"{file.name} ({detail[0]}x{detail[1]})")
     if problems:
-        size_rule = f", at least {min_size} px on the shorter side, or train at a lower resolution"
         raise ImageFolderError(
             folder,
             problems,
-            "remove or replace the files listed above (keep only PNG/JPEG/WebP/BMP/GIF/TIFF pictures of "
-            f"the concept{size_rule if min_size else ''}).",
+            "remove or replace the files listed above (pictures Pillow can read: PNG, JPEG, WebP, BMP, GIF, "
+            "TIFF, ...).",
         )
     if not images:
         names = ", ".join(p.name for p in subfolders)
         hint = f" It has subfolders ({names}): point to the one holding the images." if subfolders else ""
+        others = f" (only files that are not pictures: {', '.join(skipped)})" if skipped else ""
         raise ImageFolderError(
             folder,
-            [(folder, "contains no images")],
+            [(folder, "contains no images" + others)],
             "put 3-5 pictures of the concept in it, or use helpers.data.sample_concept_dir()." + hint,
+        )
+    if skipped:
+        warnings.warn(
+            f"{folder}: skipped {len(skipped)} file(s) that are not pictures: {', '.join(skipped)}",
+            ConceptImagesWarning,
+            stacklevel=1,  # this line: Python shows a message once per line, however many callers check
+        )
+    if small:
+        warnings.warn(
+            f"{folder}: {len(small)} picture(s) smaller than the training resolution {min_size} px will be "
+            f"resized up (softer detail): {', '.join(small)}",
+            ConceptImagesWarning,
+            stacklevel=1,  # this line: Python shows a message once per line, however many callers check
         )
     return images
 
@@ -447,7 +483,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     download.add_argument("--revision", default=None)
     validate = sub.add_parser("validate", help="check a folder of concept images")
     validate.add_argument("path", type=Path)
-    validate.add_argument("--min_size", type=int, default=0)
+    validate.add_argument(
+        "--min_size", type=int, default=0, help="training resolution: smaller pictures are named"
+    )
     return parser.parse_args(argv)
 
 

@@ -47,14 +47,19 @@ _OS_FIXES = {
 def one_line(err: BaseException) -> str:
     """The error's message on one line.
 
-    YAML's parser errors span several lines: they are joined with '; '. An error raised by the
+    Messages of several lines (YAML's parser errors, lists of problems) are joined with '; '
+    (a heading ending in ':' and its first item with a space). An error raised by the
     operating system (``[Errno 13] Permission denied: 'x'``) becomes ``x: permission denied. Fix: ...``.
     """
     if isinstance(err, OSError) and err.strerror and err.filename is not None:
         fix = next((text for kind, text in _OS_FIXES.items() if isinstance(err, kind)), None)
         text = f"{os.fsdecode(err.filename)}: {err.strerror[:1].lower()}{err.strerror[1:]}"
         return f"{text}. Fix: {fix}" if fix else text
-    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+    text = ""
+    for line in (raw.strip().removeprefix("- ") for raw in str(err).splitlines()):
+        if line:  # a list under a heading ("...:\n  - a\n  - b") reads "...: a; b"
+            text += (" " if text.endswith(":") else "; " if text else "") + line
+    return text or type(err).__name__
 
 
 def read_yaml(path: str | os.PathLike, what: str = "YAML file", error: type[InputError] = InputError) -> Any:

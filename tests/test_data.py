@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import string
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -85,24 +86,65 @@ def test_sample_images_differ_from_each_other():
 
 
 # --------------------------------------------------------------------------- validate_image_folder
-def test_validate_returns_sorted_images_and_ignores_hidden_and_metadata(tmp_path):
+def _concept_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, data.ConceptImagesWarning)]
+
+
+def test_validate_returns_sorted_images_and_skips_non_pictures_with_one_warning(tmp_path):
     _save(tmp_path / "b.JPG")
     _save(tmp_path / "a.png")
     _save(tmp_path / "c.webp")
-    for name in (".DS_Store", ".gitattributes", "README.md", "LICENSE", "Thumbs.db"):
+    for name in (".DS_Store", ".gitattributes", "README.md", "LICENSE", "Thumbs.db", "notes.txt"):
         (tmp_path / name).write_bytes(b"not an image")
+    (tmp_path / "empty.md").write_bytes(b"")
     (tmp_path / ".cache").mkdir()
     (tmp_path / "more").mkdir()  # subfolders are not searched
     _save(tmp_path / "more" / "z.png")
-    assert validate_image_folder(tmp_path) == [tmp_path / "a.png", tmp_path / "b.JPG", tmp_path / "c.webp"]
+    with pytest.warns(data.ConceptImagesWarning) as record:
+        images = validate_image_folder(tmp_path)
+    assert images == [tmp_path / "a.png", tmp_path / "b.JPG", tmp_path / "c.webp"]
+    assert _concept_warnings(record) == [
+        f"{tmp_path}: skipped 7 file(s) that are not pictures: .DS_Store, .gitattributes, LICENSE, README.md, "
+        "Thumbs.db, empty.md, notes.txt"
+    ]
 
 
-def test_validate_lists_every_bad_file_in_one_error_and_writes_nothing(tmp_path):
+def test_a_picture_is_what_pillow_reads_whatever_its_name(tmp_path):
+    _save(tmp_path / "a.png")
+    Image.new("RGB", (20, 20)).save(tmp_path / "photo_without_extension", format="JPEG")
+    Image.new("RGB", (20, 20)).save(tmp_path / "scan.pgm")  # a format Pillow reads, not in IMAGE_EXTENSIONS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing skipped, nothing small: no warning at all
+        images = validate_image_folder(tmp_path, min_size=16)
+    assert [p.name for p in images] == ["a.png", "photo_without_extension", "scan.pgm"]
+
+
+def test_smaller_pictures_are_kept_and_named_in_one_warning(tmp_path, tokenizer):
+    _save(tmp_path / "big.png", (64, 80))
+    _save(tmp_path / "exact.png", (64, 300))  # shorter side == resolution: not small
+    _save(tmp_path / "small.jpg", (40, 30))
+    _save(tmp_path / "thin.png", (63, 500))
+    with pytest.warns(data.ConceptImagesWarning) as record:
+        images = validate_image_folder(tmp_path, min_size=64)
+    assert [p.name for p in images] == ["big.png", "exact.png", "small.jpg", "thin.png"]
+    assert _concept_warnings(record) == [
+        f"{tmp_path}: 2 picture(s) smaller than the training resolution 64 px will be resized up (softer "
+        "detail): small.jpg (40x30), thin.png (63x500)"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_image_folder(tmp_path)  # no resolution given: no size warning
+        validate_image_folder(tmp_path, min_size=30)
+    ds = ConceptDataset(tmp_path, tokenizer, "<pip>", size=64, repeats=1, flip_p=0.0)
+    pixels = ds.view_pixels(2)  # small.jpg, resized up as diffusers does
+    assert pixels.shape == (3, 64, 64)
+    assert torch.allclose(pixels, torch.tensor([200, 30, 30]).view(3, 1, 1) / 127.5 - 1.0, atol=0.04)  # JPEG
+
+
+def test_validate_lists_every_unusable_picture_in_one_error_and_writes_nothing(tmp_path):
     _save(tmp_path / "good.png", (32, 32))
-    _save(tmp_path / "exact.png", (16, 40))  # shorter side == min_size is fine
-    _save(tmp_path / "tiny.png", (15, 64))
-    (tmp_path / "notes.csv").write_text("a,b\n")
-    (tmp_path / "captions.txt").write_text("a toy")
+    _save(tmp_path / "tiny.png", (15, 64))  # small is fine now: resized up
+    (tmp_path / "notes.csv").write_text("a,b\n")  # skipped
     (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 definitely not a jpeg" * 10)
     _save(tmp_path / "whole.jpg", (64, 64), (10, 120, 200))
     blob = (tmp_path / "whole.jpg").read_bytes()
@@ -110,6 +152,8 @@ def test_validate_lists_every_bad_file_in_one_error_and_writes_nothing(tmp_path)
     (tmp_path / "whole.jpg").unlink()
     png = (tmp_path / "good.png").read_bytes()
     (tmp_path / "cut.png").write_bytes(png[: len(png) - 20])
+    (tmp_path / "zero.png").write_bytes(b"")
+    (tmp_path / "fake.png").write_text("a text file named like a picture")
     (tmp_path / ".DS_Store").write_bytes(b"\0\0")
     before = _snapshot(tmp_path)
 
@@ -119,23 +163,32 @@ def test_validate_lists_every_bad_file_in_one_error_and_writes_nothing(tmp_path)
     err = info.value
     assert err.path == tmp_path
     problems = {p.name: why for p, why in err.problems}
-    assert sorted(problems) == [
-        "broken.jpg",
-        "captions.txt",
-        "cut.png",
-        "notes.csv",
-        "tiny.png",
-        "truncated.jpg",
-    ]
-    assert problems["notes.csv"] == "not an image file (extension '.csv')"
-    assert problems["tiny.png"] == "too small: 15x64, shorter side must be at least 16 px"
+    assert sorted(problems) == ["broken.jpg", "cut.png", "fake.png", "truncated.jpg", "zero.png"]
+    assert problems["zero.png"] == "empty file (0 bytes)"
+    assert problems["fake.png"] == "not a readable image (Pillow does not recognise its content)"
     for name in ("broken.jpg", "truncated.jpg", "cut.png"):
         assert problems[name].startswith("corrupt or truncated image")
     message = str(err)
-    assert str(tmp_path) in message and "Fix:" in message and "at least 16 px" in message
-    for ok in ("good.png", "exact.png", ".DS_Store"):
+    assert str(tmp_path) in message and "Fix: remove or replace the files listed above" in message
+    for ok in ("good.png", "tiny.png", "notes.csv", ".DS_Store"):
         assert ok not in message
     assert _snapshot(tmp_path) == before  # nothing written, nothing removed
+
+
+def test_an_unreadable_picture_is_refused(tmp_path, monkeypatch):
+    _save(tmp_path / "a.png")
+    locked = _save(tmp_path / "locked.png")
+    real_open = Image.open
+
+    def open_(fp, *args, **kwargs):  # what a user without read permission gets (root reads anyway)
+        if Path(fp) == locked:
+            raise PermissionError(13, "Permission denied", str(fp))
+        return real_open(fp, *args, **kwargs)
+
+    monkeypatch.setattr(data.Image, "open", open_)
+    with pytest.raises(ImageFolderError) as info:
+        validate_image_folder(tmp_path)
+    assert info.value.problems == [(locked, "cannot be read (Permission denied)")]
 
 
 def test_validate_missing_folder(tmp_path):
@@ -159,7 +212,9 @@ def test_validate_empty_folder_points_to_subfolders(tmp_path):
     (tmp_path / "concept_images").mkdir()
     with pytest.raises(ImageFolderError) as info:
         validate_image_folder(tmp_path)
-    assert info.value.problems == [(tmp_path, "contains no images")]
+    assert info.value.problems == [
+        (tmp_path, "contains no images (only files that are not pictures: README.md)")
+    ]
     assert "subfolders (concept_images)" in str(info.value)
 
 
@@ -364,7 +419,9 @@ def test_dataset_validates_folder_before_any_work(tmp_path):
             raise AssertionError("tokenizer used before validation")
 
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ImageFolderError, match="notes.txt"):
+    with pytest.raises(
+        ImageFolderError, match=r"contains no images \(only files that are not pictures: notes.txt\)"
+    ):
         ConceptDataset(tmp_path, NoTokenizer(), "<pip>")
 
 
@@ -386,8 +443,10 @@ def test_resolve_concept_sample_folder_and_hub(tmp_path, monkeypatch):
 
     assert data.resolve_concept("sample") == data.sample_concept_dir()
     assert data.resolve_concept(data.sample_concept_dir(), min_size=64) == data.sample_concept_dir()
-    with pytest.raises(data.ImageFolderError, match="too small"):
-        data.resolve_concept("sample", min_size=512)
+    with pytest.warns(
+        data.ConceptImagesWarning, match="5 picture\\(s\\) smaller than the training resolution 512 px"
+    ):
+        assert data.resolve_concept("sample", min_size=512) == data.sample_concept_dir()
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(HubUnavailableError, match="sample"):

@@ -41,6 +41,18 @@ def test_yaml_errors_are_joined_onto_one_line(capsys):
     assert err.startswith("error: while parsing a flow sequence; ") and err.count("\n") == 1
 
 
+def test_a_list_of_problems_reads_as_one_line(capsys):
+    def main(args):
+        raise InputError(
+            "Image folder 'x' cannot be used:\n  - a.png: empty file (0 bytes)\n  - b.jpg: corrupt\nFix: remove them"
+        )
+
+    assert run_cli(main, parse) == 2
+    assert capsys.readouterr().err == (
+        "error: Image folder 'x' cannot be used: a.png: empty file (0 bytes); b.jpg: corrupt; Fix: remove them\n"
+    )
+
+
 def test_exit_codes_and_other_errors():
     assert run_cli(lambda args: 3, parse) == 3
     assert run_cli(lambda args: {"a": 1}, parse) == 0  # a result that is not an exit code
