@@ -4,9 +4,12 @@
 
     python -m helpers.launch --launcher mpirun --nproc_per_node 2 [--hostfile hosts] \\
         [--main_process_ip IP] [--main_process_port P] [--dry_run] -- <helpers.train flags>
+    python -m helpers.launch --launcher ray --nproc_per_node 2 [--num_nodes M] \\
+        [--ray_address auto|HOST:PORT] -- <helpers.train flags>
 
 builds the commands with :mod:`helpers.distributed` (mpirun: one command on the head node;
-torchrun: one per node, the others started over ssh), streams rank 0's output, and returns the
+torchrun: one per node, the others started over ssh; ray: one Ray Train driver,
+:mod:`helpers.ray_launch`, whose workers Ray places), streams rank 0's output, and returns the
 job's exit code. The hostfile and accelerate configs go to ``<output_dir>/launch/`` (``--work_dir``).
 
 Supervision to the end: every rank of ``helpers.train`` reports to ``<work_dir>/status``
@@ -44,17 +47,22 @@ from typing import TextIO
 
 import psutil
 
-from helpers import distributed, supervise
+from helpers import distributed, ray_launch, supervise
 from helpers.distributed import ClusterLayout, LaunchCommand
 
 logger = logging.getLogger(__name__)
 
+LAUNCHERS = (*distributed.LAUNCHERS, "ray")
 # The first tag on a line names its rank; launchers also split lines and tag the pieces.
 _TAGS = {
     "hydra": r"\[({rank})\] ",  # -l / -prepend-rank: "[1] text"
     "openmpi": r"\[\d+,({rank})\]<std(?:out|err)>: ?",  # --tag-output: "[1,1]<stderr>:text"
     "torchrun": r"\[default({rank})\]:",  # --tee 3: "[default1]:text"
 }
+# Ray prefixes each line it forwards with the actor and its pid, "(RayTrainWorker pid=123, ip=10.0.0.5) ";
+# each worker's first line names its rank (ray_launch.WORKER_TAG), so the pid leads to the rank.
+_RAY_PREFIX = re.compile(r"\((?P<actor>[A-Za-z_]\w*) pid=(?P<pid>\d+)(?:, ip=[^)]*)?\) ")
+_RAY_WORKER = re.compile(re.escape(ray_launch.WORKER_TAG) + r" rank (\d+) ")
 _TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")  # torch prefixes its own tracebacks
 _EXCEPTION = re.compile(
     r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Failure)\b(?::.*)?$|^error: .+"
@@ -71,6 +79,7 @@ _LAUNCHER_REPORTS = (  # (rank, reason) in the launchers' own failure summaries
     ),
     re.compile(r"Process name: \[\[\d+,\d+\],(?P<rank>\d+)\]\s+(?P<reason>Exit code:\s+\d+|Signal:.*)"),
     re.compile(r"Root Cause.*?rank\s+: (?P<rank>\d+).*?exitcode\s+: (?P<reason>-?\d+[^\n]*)", re.DOTALL),
+    re.compile(re.escape(ray_launch.FAILED_TAG) + r" rank (?P<rank>\d+) (?P<reason>failed on node .*)"),
 )
 
 
@@ -87,6 +96,7 @@ class JobResult:
     not_ended: list[int] = field(default_factory=list)  # ranks helpers.launch had to stop
     supervision: str = ""  # why helpers.launch stopped them, outputs, their last lines
     outputs_complete: bool | None = None  # run_summary.json written (None: output_dir unknown)
+    input_error: str = ""  # a launcher's own "error: ..." line before any rank started (exit code 2)
 
     @property
     def ok(self) -> bool:
@@ -94,6 +104,8 @@ class JobResult:
 
     def message(self) -> str:
         """One paragraph for a person: which rank failed, its error, its last lines."""
+        if self.input_error and not self.ok:
+            return self.input_error
         if self.supervision:
             failed = f"rank {self.failed_rank} failed: {self.error}\n" if self.error and not self.ok else ""
             return failed + self.supervision
@@ -167,9 +179,14 @@ class _Output:
         self.launcher_lines: deque[str] = deque(maxlen=400)
         self.failure_seen_at: float | None = None
         self.redrawing: dict[int, int] = {}  # command -> local rank whose last piece ended in "\r"
+        self.ray_ranks: dict[int, int] = {}  # Ray worker pid -> rank
+        self.input_error = ""  # the first "error: ..." line of a launcher itself (not of a rank)
 
     def feed(self, index: int, cmd: LaunchCommand, text: str, end: str) -> None:
         """Take one piece of a command's output (``end`` is ``\\n`` or ``\\r``)."""
+        if cmd.output_tags == "ray":
+            self._feed_ray(text, end)
+            return
         tag = re.compile(_TAGS[cmd.output_tags].format(rank=r"\d+"))
         # Launchers tag lines, not progress-bar redraws: an untagged piece after a "\r" continues that rank.
         current = self.redrawing.pop(index, None)
@@ -191,6 +208,33 @@ class _Output:
             if last and local is not None and end == "\r":
                 self.redrawing[index] = local
             self._line(None if local is None else local + cmd.rank_offset, body, end if last else "\n")
+
+    def _feed_ray(self, text: str, end: str) -> None:
+        """A line of the Ray driver: its own (progress bar, messages) or one Ray forwarded from an actor."""
+        m = _RAY_PREFIX.search(text)
+        if m is None:
+            if text.startswith("error: ") and not self.input_error:  # the driver's input error: shown once,
+                self.input_error = text[len("error: ") :]  # by helpers.launch's message
+                self._aside(text, end)
+            else:
+                self._line(None, text, end)
+            return
+        if m.start():  # a progress-bar redraw the forwarded line came right after
+            self._line(None, text[: m.start()], "\n")
+        pid, body = int(m["pid"]), text[m.end() :]
+        if m["actor"] != "RayTrainWorker":  # the Train controller and Ray's helpers: log only
+            self._aside(f"({m['actor']}) {body}", end)
+            return
+        worker = _RAY_WORKER.match(body)
+        if worker:
+            self.ray_ranks[pid] = int(worker[1])
+        self._line(self.ray_ranks.get(pid), body, end)
+
+    def _aside(self, body: str, end: str) -> None:
+        """A line kept for the log and for diagnosis, not shown."""
+        if self.log:
+            self.log.write(body + end)
+        self.launcher_lines.append(body)
 
     def _line(self, rank: int | None, body: str, end: str) -> None:
         if self.log:
@@ -327,9 +371,8 @@ def run_job(
     code = next((p.returncode for p in procs if p.returncode), 0)
     if killed and code == 0:
         code = 1
-    result = JobResult(
-        code, time.monotonic() - start, killed=killed, tails={r: list(t) for r, t in out.tails.items()}
-    )
+    result = JobResult(code, time.monotonic() - start, killed=killed, input_error=out.input_error,
+                       tails={r: list(t) for r, t in out.tails.items()})  # fmt: skip
     if verdict:
         result.not_ended = verdict[0]
         result.outputs_complete, outputs = supervise.outputs(output_dir, started_wall)
@@ -354,18 +397,25 @@ def prepare_job(
     work_dir: str | os.PathLike | None = None,
     mpirun: str | None = None,
     backend: str | None = None,
+    num_nodes: int = 1,
+    ray_address: str | None = None,
 ) -> list[LaunchCommand]:
     """Check the training flags, write the hostfile and accelerate configs, and build the commands.
 
     Args:
-        layout: the cluster.
+        layout: the cluster (for ``"ray"``: this machine's ``nproc_per_node`` and
+            ``threads_per_process``; Ray finds the nodes itself).
         train_args: ``helpers.train`` flags; parsed here so a bad flag fails before any process starts.
-        launcher: ``"mpirun"`` or ``"torchrun"``.
+        launcher: ``"mpirun"``, ``"torchrun"`` or ``"ray"`` (one command: the Ray Train driver of
+            :mod:`helpers.ray_launch`).
         work_dir: folder for ``hostfile``, ``accelerate_config_node*.yaml`` and the ranks' ``status/``
             (default ``<output_dir>/launch``, with the run, so two runs never share it; must be
             visible at the same path on every node, or copied there).
         mpirun: the mpirun program (default: this environment's, see :func:`distributed.find_mpirun`).
         backend: ``"gloo"``/``"ccl"`` (default :func:`distributed.select_backend`).
+        num_nodes: ``"ray"`` only: nodes of the Ray cluster to spread the workers over.
+        ray_address: ``"ray"`` only: ``"auto"`` or ``HOST:PORT`` of a running Ray cluster (default:
+            a private Ray runtime on this machine, ended with the job).
 
     Returns:
         The commands to pass to :func:`run_job`.
@@ -380,8 +430,14 @@ def prepare_job(
         )
     output_dir = Path(config.output_dir).resolve()
     work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
-    configs = distributed.write_accelerate_configs(layout, work_dir, config.mixed_precision)
     status_dir = str((work_dir / "status").resolve())
+    if launcher == "ray":
+        cmd = ray_launch.driver_command(
+            train_args, nproc_per_node=layout.nproc_per_node, num_nodes=num_nodes, ray_address=ray_address,
+            threads_per_process=int(layout.threads_per_process or 1), work_dir=work_dir, status_dir=status_dir,
+        )  # fmt: skip
+        return [dataclasses.replace(cmd, status_dir=status_dir, output_dir=str(output_dir))]
+    configs = distributed.write_accelerate_configs(layout, work_dir, config.mixed_precision)
     kwargs = {}
     if launcher == "mpirun":
         mpirun = mpirun or distributed.find_mpirun()
@@ -404,10 +460,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     own, train_args = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(
         prog="python -m helpers.launch",
-        description="Run helpers.train on several processes or machines (mpirun or torchrun).",
+        description="Run helpers.train on several processes or machines (mpirun, torchrun or Ray Train).",
         epilog="Everything after -- goes to helpers.train, e.g. -- --pretrained_model_name_or_path tiny ...",
     )
-    parser.add_argument("--launcher", choices=distributed.LAUNCHERS, default="mpirun")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="mpirun")
     parser.add_argument("--nproc_per_node", type=int, default=None,
                         help="processes per node (default: the hostfile's slots, else 1)")  # fmt: skip
     parser.add_argument(
@@ -420,6 +476,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads_per_process", type=int, help="default: physical cores // nproc_per_node")
     parser.add_argument("--mpirun", help="mpirun program (default: this environment's Intel MPI, else PATH)")
+    parser.add_argument("--num_nodes", type=int, default=None,
+                        help="ray: nodes of the Ray cluster to use (default 1)")  # fmt: skip
+    parser.add_argument("--ray_address", default=None,
+                        help="ray: auto or HOST:PORT of a running cluster (default: a private Ray runtime here)")  # fmt: skip
     parser.add_argument("--work_dir", default=None,
                         help="where the hostfile, accelerate configs and rank status go (default: <output_dir>/launch)")  # fmt: skip
     parser.add_argument("--exit_grace_seconds", type=float, default=60.0,
@@ -442,8 +502,15 @@ def check_args(args: argparse.Namespace) -> None:
         DistributedError: one line naming the option and the fix.
     """
     _check_seconds(exit_grace_seconds=args.exit_grace_seconds, stall_seconds=args.stall_seconds, cli=True)
+    _check_ray_options(args)
     if args.dry_run:  # printing commands for a cluster need not reach it from here
         return
+    if args.launcher == "ray":
+        if args.ray_address:
+            ray_launch.check_address(args.ray_address)
+        else:
+            threads = args.threads_per_process or max(1, distributed.physical_cores() // (args.nproc_per_node or 1))
+            ray_launch.check_local_layout(args.nproc_per_node or 1, args.num_nodes or 1, threads)
     if args.network_interface:
         names = sorted(psutil.net_if_addrs())
         if args.network_interface not in names:
@@ -458,6 +525,27 @@ def check_args(args: argparse.Namespace) -> None:
                     f"--hostfile {args.hostfile}: host {host!r} does not resolve; correct the name, or add it "
                     "to /etc/hosts or to the ssh config (Host/HostName)"
                 )
+
+
+def _check_ray_options(args: argparse.Namespace) -> None:
+    """Ray's options only with Ray, and the others' not with it."""
+    if args.launcher != "ray":
+        for flag in ("num_nodes", "ray_address"):
+            if getattr(args, flag) is not None:
+                raise distributed.DistributedError(
+                    f"--{flag} is for --launcher ray only; with {args.launcher} the hostfile lists the nodes"
+                )
+        return
+    for flag in ("hostfile", "main_process_ip", "network_interface", "mpirun"):
+        if getattr(args, flag):
+            raise distributed.DistributedError(
+                f"--{flag}: not used with --launcher ray (Ray finds its nodes and addresses itself); drop it, "
+                "and join a cluster with --ray_address"
+            )
+    if args.num_nodes is not None and args.num_nodes < 1:
+        raise distributed.DistributedError(f"--num_nodes {args.num_nodes}: must be at least 1")
+    if args.ray_address:
+        ray_launch.parse_address(args.ray_address)
 
 
 _DEFAULT_SECONDS = {"exit_grace_seconds": 60, "stall_seconds": 900}
@@ -505,9 +593,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_args(args)
         layout = layout_from_args(args)
-        commands = prepare_job(
-            layout, args.train_args, args.launcher, work_dir=args.work_dir, mpirun=args.mpirun
-        )
+        commands = prepare_job(layout, args.train_args, args.launcher, work_dir=args.work_dir, mpirun=args.mpirun,
+                               num_nodes=args.num_nodes or 1, ray_address=args.ray_address)  # fmt: skip
     except ValueError as err:  # DistributedError, ConfigError: bad input, nothing started
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -14,6 +14,10 @@ at the same path, ``<output_dir>/launch/status``) and each rank of ``helpers.tra
 
 :func:`stop` ends a job: TERM, then KILL, to the launchers' process trees here and to the ranks
 on other hosts (their host and pid come from the status files) over ssh.
+
+A rank that is not a process of its own (a Ray Train worker runs the engine inside a long-lived
+actor) calls :func:`finish` when its training function ends, which frees the lock as an exit
+would; :func:`add_listener` lets such a rank see every beat (e.g. to report each step to Ray).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +64,8 @@ class _Reporter:
 
 
 _reporter: _Reporter | None = None
+Listener = Callable[[str, int | None], None]  # (state, step)
+_listeners: list[Listener] = []
 
 
 def start() -> None:
@@ -77,7 +83,13 @@ def start() -> None:
 
 
 def beat(state: str, step: int | None = None) -> None:
-    """Report progress: ``state`` (e.g. ``training``, ``saving``, ``waiting``) and the step."""
+    """Report progress: ``state`` (e.g. ``training``, ``saving``, ``waiting``) and the step.
+
+    Every listener (:func:`add_listener`) is called first, in this thread; an exception it raises
+    propagates to the caller (the training loop), as the failure of this rank.
+    """
+    for listener in list(_listeners):
+        listener(state, step)
     r = _reporter
     if r is None:
         return
@@ -85,6 +97,26 @@ def beat(state: str, step: int | None = None) -> None:
     status = {"rank": r.rank, "host": socket.gethostname(), "pid": os.getpid(), "state": state,
               "step": step, "beats": r.beats}  # fmt: skip
     write_text_atomic(r.folder / f"rank{r.rank}.json", json.dumps(status))
+
+
+def finish() -> None:
+    """This rank has ended although its process lives on: free its lock (read as an exit) and
+    stop reporting. A no-op unless :func:`start` took the lock."""
+    global _reporter
+    r, _reporter = _reporter, None
+    if r is not None:
+        os.close(r.lock_fd)  # closing the only descriptor releases the flock
+
+
+def add_listener(listener: Listener) -> None:
+    """Call ``listener(state, step)`` at every :func:`beat` of this process, until removed."""
+    _listeners.append(listener)
+
+
+def remove_listener(listener: Listener) -> None:
+    """Stop calling ``listener`` (no error if it is not registered)."""
+    if listener in _listeners:
+        _listeners.remove(listener)
 
 
 # --- in the launcher -----------------------------------------------------------------------------

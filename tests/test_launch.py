@@ -222,7 +222,7 @@ def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
     with pytest.raises(SystemExit):
         launch.parse_args(["--nproc_per_node", "2"])  # no training flags
     args = launch.parse_args(["--work_dir", str(tmp_path), "--", "--resolution", "63"])
-    assert launch.main(args) == 2 and "resolution=63" in capsys.readouterr().err
+    assert launch.main(args) == 2 and "resolution='63'" in capsys.readouterr().err
     args = launch.parse_args(["--work_dir", str(tmp_path), "--", "--train_data_dir", str(tmp_path / "nope")])
     assert launch.main(args) == 2 and "is not a folder" in capsys.readouterr().err
 
