@@ -6,7 +6,7 @@ Starts ``--world_size`` processes (gloo, localhost, ``cores / world_size`` threa
 both modes run interleaved under ``DistributedDataParallel``: ``ours`` wraps only the learned rows
 (what the engine does), ``reference`` wraps the text encoder with its whole token-embedding matrix
 trainable (what diffusers' example does). A DDP communication hook (the engine's
-``_AllreduceCounter``) counts the bytes each step all-reduces; ``allreduce_seconds`` is the time
+``AllreduceCounter``) counts the bytes each step all-reduces; ``allreduce_seconds`` is the time
 of all-reducing that many bytes alone, ``allreduce_wait_seconds`` the time from the hook's call to
 the result inside the step (it includes waiting for the slower rank).
 
@@ -170,7 +170,7 @@ def launch(
         return json.loads(result_file.read_text())
 
 
-class _TimedCounter(ti._AllreduceCounter):
+class _TimedCounter(ti.AllreduceCounter):
     """The engine's byte counter, also timing each all-reduce (hook call to completion)."""
 
     def __init__(self):

@@ -2,9 +2,8 @@
 
 Two ways to run a textual-inversion step on the same modules, so both are timed in one process:
 
-* :class:`OursStep`: the engine's step, built from the engine's own functions
-  (:func:`helpers.textual_inversion.draw_batch`, :func:`~helpers.textual_inversion.diffusion_loss`,
-  :class:`~helpers.textual_inversion.LearnedEmbeddings`): only the new rows are parameters,
+* :class:`OursStep`: the engine's own step, :func:`helpers.textual_inversion.training_step`
+  (the function ``train`` calls once per optimisation step): only the new rows are parameters,
   latents come from the cache.
 * :class:`ReferenceStep`: the approach of diffusers' ``examples/textual_inversion``: the whole
   token-embedding matrix is trainable with AdamW, every other row is restored after each step, and
@@ -32,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
+from helpers.engine import setup as engine_setup
 from helpers.files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -328,59 +328,76 @@ class PhaseTimer:
 
 
 class OursStep:
-    """The engine's step: only the new rows train, latents come from the cache (VAE ran once)."""
+    """The engine's own step, :func:`helpers.textual_inversion.training_step`, on these modules.
+
+    Only the new rows train and the latents come from the cache (the VAE encoder ran once, here).
+    ``learned`` and ``unet`` may be swapped (a DDP wrapper, a compiled UNet): the step uses the
+    current ones.
+    """
 
     name = "ours"
 
     def __init__(self, setup: Setup):
         self.setup = setup
         parts = setup.parts
-        self.unet = parts.unet
-        self.latent_mean, self.latent_std = ti.cache_latents(parts.vae, setup.dataset)
+        latent_mean, latent_std = ti.cache_latents(parts.vae, setup.dataset)
         weight = parts.text_encoder.get_input_embeddings().weight
-        self.learned: torch.nn.Module = ti.LearnedEmbeddings(weight[setup.token_ids], setup.token_ids)
-        self.optimizer = torch.optim.AdamW(self.learned.parameters(), lr=LEARNING_RATE, weight_decay=1e-2)
-        self.hook: ti._EmbeddingHook | None = None
+        learned = ti.LearnedEmbeddings(weight[setup.token_ids], setup.token_ids)
+        self.parts = ti.StepParts(
+            unet=parts.unet,
+            text_encoder=parts.text_encoder,
+            noise_scheduler=parts.noise_scheduler,
+            learned=learned,
+            optimizer=torch.optim.AdamW(learned.parameters(), lr=LEARNING_RATE, weight_decay=1e-2),
+            latent_mean=latent_mean,
+            latent_std=latent_std,
+            scaling_factor=parts.vae.config.scaling_factor,
+            seed=SEED,
+            autocast=setup.autocast,
+        )
+        self.hook: ti.EmbeddingHook | None = None
+
+    @property
+    def learned(self) -> torch.nn.Module:
+        """The learned rows (or a wrapper of them) the step trains."""
+        return self.parts.learned
+
+    @learned.setter
+    def learned(self, module: torch.nn.Module) -> None:
+        self.parts.learned = module
+
+    @property
+    def unet(self) -> torch.nn.Module:
+        """The UNet the step runs."""
+        return self.parts.unet
+
+    @unet.setter
+    def unet(self, module: torch.nn.Module) -> None:
+        self.parts.unet = module
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """Route the token embedding through the learned rows (the frozen matrix gets no gradient)."""
-        self.hook = ti._EmbeddingHook(self.setup.parts.text_encoder, self.learned)
+        self.hook = ti.EmbeddingHook(self.setup.parts.text_encoder, self.learned)
         try:
             yield
         finally:
             self.hook.remove()
 
     def __call__(self, step: int, timer: PhaseTimer | None = None) -> float:
-        parts, batch = self.setup.parts, self.setup.batch(step)
+        batch = self.setup.batch(step)
         timer = timer or _NullTimer()
+
+        def backward(loss: torch.Tensor) -> None:
+            timer.mark("backward_start")
+            loss.backward()
+            timer.mark("backward_end")
+
+        self.parts.backward = backward
         timer.start()
-        latents, noise, timesteps = ti.draw_batch(
-            self.latent_mean,
-            self.latent_std,
-            batch["index"],
-            batch["view_index"],
-            parts.noise_scheduler.config.num_train_timesteps,
-            SEED,
-            0,
-        )
-        with self.setup.autocast():
-            loss = ti.diffusion_loss(
-                self.unet,
-                parts.text_encoder,
-                parts.noise_scheduler,
-                batch["input_ids"],
-                latents * parts.vae.config.scaling_factor,
-                noise,
-                timesteps,
-            )
-        timer.mark("backward_start")
-        loss.backward()
-        timer.mark("backward_end")
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        loss = ti.training_step(self.parts, [batch], epoch=0, step=step + 1)
         timer.mark("end")
-        return loss.item()
+        return loss
 
 
 class ReferenceStep:
@@ -501,20 +518,21 @@ def run_engine(
         seed=SEED,
         **overrides,
     )
-    cache_latents = ti.cache_latents
+    cache_latents = engine_setup.cache_latents
 
     def reset_then_cache(*args: Any, **kwargs: Any):
         reset_peak_rss()
         return cache_latents(*args, **kwargs)
 
-    ti.cache_latents = reset_then_cache  # train() calls it right after loading the weights
+    # setup_run calls it right after loading the weights
+    engine_setup.cache_latents = reset_then_cache
     keep_freed_memory = cpu.keep_freed_memory
     if not malloc_tuning:
         cpu.keep_freed_memory = lambda: nullcontext(False)
     try:
         history = ti.train(config).history
     finally:
-        ti.cache_latents = cache_latents
+        engine_setup.cache_latents = cache_latents
         cpu.keep_freed_memory = keep_freed_memory
     return {
         "seconds_per_step": summarize([h["seconds"] for h in history[1:] or history])["median"],

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from helpers import outputs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,8 +41,8 @@ class Outcome:
     seconds: float
     returncode: int | None
     tail: list[str]
-    outputs_complete: bool  # run_summary.json written (a hung job may hang after finishing)
-    summary_age: float | None = None  # at the kill: seconds since run_summary.json was written
+    outputs_complete: bool  # outputs.SUMMARY (run_summary.json) written (a hung job may hang after finishing)
+    summary_age: float | None = None  # at the kill: seconds since outputs.SUMMARY was written
     ranks_alive: list[int] | None = None  # at the kill, from the status locks (launchers that keep them)
 
 
@@ -88,7 +90,7 @@ def run_job(
                 status = "ok" if code == 0 else "failed"
             except subprocess.TimeoutExpired:
                 summary, status_dir = (
-                    Path(tmp) / "out" / "run_summary.json",
+                    Path(tmp) / "out" / outputs.SUMMARY,
                     Path(tmp) / "out" / "launch" / "status",
                 )
                 age = time.time() - summary.stat().st_mtime if summary.is_file() else None
@@ -98,7 +100,7 @@ def run_job(
                 code, status = None, "hung"
         seconds = time.monotonic() - start
         tail = log.read_text(errors="replace").splitlines()[-8:]
-        complete = (Path(tmp) / "out" / "run_summary.json").is_file()
+        complete = (Path(tmp) / "out" / outputs.SUMMARY).is_file()
     if status != "hung":
         age, alive = None, None
     return Outcome(status, seconds, code, tail, complete, age, alive)

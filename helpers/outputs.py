@@ -2,9 +2,25 @@
 
 Inference, notebooks and benchmarks import these from here rather than from the training engine
 (:mod:`helpers.textual_inversion`), which would pull in accelerate just for a file name.
+
+The layout of ``output_dir`` is that of diffusers' ``examples/textual_inversion/textual_inversion.py``
+(so the guides' lines that load ``output_dir`` work unchanged), plus the engine's own records::
+
+    output_dir/
+      train_config.yaml                the settings, written first
+      checkpoints/checkpoint-N/        resumable; each holds its run's train_config.yaml
+      samples/step-N/, samples/final/  validation images
+      learned_embeds-steps-N.safetensors
+      history.json                     per-step records (history.json.partial while running)
+      learned_embeds.safetensors
+      pipeline/                        with --save_as_full_pipeline
+      run_summary.json                 written last: the run is finished
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 from helpers.errors import InputError
 
@@ -14,8 +30,35 @@ SUMMARY = "run_summary.json"
 """What a finished run reports (steps, seconds, loss...), in ``output_dir``; written last."""
 HISTORY = "history.json"
 """Per-step records (loss, learning rate, seconds), in ``output_dir``."""
+HISTORY_PARTIAL = "history.json.partial"
+"""The records up to the last checkpoint, while a run is in progress (a resume reads them); removed at the end."""
+TRAIN_CONFIG = "train_config.yaml"
+"""The run's settings (``TrainConfig`` as YAML), in ``output_dir`` and in each checkpoint."""
+CHECKPOINTS = "checkpoints"
+"""The folder of resumable checkpoints ``checkpoint-N``, in ``output_dir``."""
+SAMPLES = "samples"
+"""The folder of validation images (``step-N/``, ``final/``), in ``output_dir``."""
 PIPELINE_DIR = "pipeline"
 """The full fine-tuned diffusers pipeline (``--save_as_full_pipeline``), under ``output_dir``."""
+MODEL_INDEX = "model_index.json"
+"""With ``--save_as_full_pipeline`` ``output_dir`` itself is a diffusers pipeline folder; this file,
+written after its components, says it is complete."""
+PIPELINE_PARTS = (
+    "text_encoder",
+    "tokenizer",
+    "unet",
+    "vae",
+    "scheduler",
+    "feature_extractor",
+    "safety_checker",
+    "image_encoder",
+)
+"""The component folders a Stable Diffusion pipeline may have beside ``model_index.json``."""
+
+
+def is_pipeline_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a complete diffusers pipeline (its ``model_index.json`` is written last)."""
+    return (Path(path) / MODEL_INDEX).is_file()
 
 
 def placeholder_tokens_for(placeholder_token: str, num_vectors: int) -> list[str]:

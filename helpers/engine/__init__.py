@@ -1,0 +1,15 @@
+"""The textual-inversion engine in parts; :mod:`helpers.textual_inversion` is its front (``train``).
+
+* :mod:`~helpers.engine.rows`: the placeholder tokens and their trainable rows.
+* :mod:`~helpers.engine.step`: data order, cached latents, keyed random draws, the loss, and
+  :func:`~helpers.engine.step.training_step`, one optimisation step (the benchmarks time this same one).
+* :mod:`~helpers.engine.setup`: from settings to a :class:`~helpers.engine.setup.Run` ready to train.
+* :mod:`~helpers.engine.checkpoints`: resumable checkpoints: save, rotate, find, check.
+* :mod:`~helpers.engine.saving`: learned embeddings, JSON records, validation samples, the full pipeline.
+"""
+
+from __future__ import annotations
+
+
+class TrainingInputError(ValueError):
+    """A problem with the inputs of a run, found before any heavy work; the message says the fix."""

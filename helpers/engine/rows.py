@@ -1,0 +1,123 @@
+"""The placeholder tokens and their rows: the only thing a textual-inversion run learns.
+
+The 49,409 x 768 token-embedding matrix stays frozen. :class:`LearnedEmbeddings` holds the
+``num_vectors x hidden`` trainable values and :class:`EmbeddingHook` substitutes them into the
+embedding's output, so the optimizer and the all-reduce see those rows only (docs/architecture.md,
+"Row-sparse training").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from helpers import outputs
+from helpers.engine import TrainingInputError
+from helpers.errors import InputError
+
+
+def placeholder_tokens_for(placeholder_token: str, num_vectors: int) -> list[str]:
+    """``<tok>``, ``<tok>_1``, ... as diffusers names the tokens of a multi-vector embedding.
+
+    Raises:
+        TrainingInputError: ``num_vectors`` is below 1.
+    """
+    try:
+        return outputs.placeholder_tokens_for(placeholder_token, num_vectors)
+    except InputError as err:
+        raise TrainingInputError(str(err)) from None
+
+
+def check_tokens(tokenizer, placeholder_token: str, initializer_token: str, num_vectors: int) -> int:
+    """Check the new tokens are new and the initializer is one token; return its id.
+
+    Raises:
+        TrainingInputError: with the fix, before any model weights are loaded.
+    """
+    existing = [
+        t for t in placeholder_tokens_for(placeholder_token, num_vectors) if t in tokenizer.get_vocab()
+    ]
+    if existing:
+        raise TrainingInputError(
+            f"placeholder_token {placeholder_token!r}: {', '.join(existing)} already in the tokenizer's "
+            f"vocabulary, so it would not be a new concept. Fix: choose a new token such as '<my-concept>'."
+        )
+    ids = tokenizer.encode(initializer_token, add_special_tokens=False)
+    if len(ids) != 1:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise TrainingInputError(
+            f"initializer_token {initializer_token!r} is {len(ids)} tokens ({pieces}), not one. "
+            f"Fix: choose a single common word close to the concept, e.g. 'toy' or 'cat'."
+        )
+    return ids[0]
+
+
+def add_placeholder_tokens(
+    tokenizer, text_encoder, placeholder_token: str, initializer_token: str, num_vectors: int = 1
+) -> list[int]:
+    """Add the placeholder tokens to the tokenizer and their rows (initialised) to the embedding.
+
+    Returns:
+        The ids of the new tokens (contiguous, in order).
+    """
+    init_id = check_tokens(tokenizer, placeholder_token, initializer_token, num_vectors)
+    tokens = placeholder_tokens_for(placeholder_token, num_vectors)
+    tokenizer.add_tokens(tokens)
+    token_ids = tokenizer.convert_tokens_to_ids(tokens)
+    text_encoder.resize_token_embeddings(len(tokenizer))
+    weight = text_encoder.get_input_embeddings().weight
+    with torch.no_grad():
+        weight[token_ids] = weight[init_id].clone()
+    return token_ids
+
+
+class LearnedEmbeddings(torch.nn.Module):
+    """The trainable rows of the new tokens: the only parameters of a textual-inversion run."""
+
+    def __init__(self, initial: torch.Tensor, token_ids: Sequence[int]):
+        super().__init__()
+        if list(token_ids) != list(range(token_ids[0], token_ids[0] + len(token_ids))):
+            raise ValueError(f"placeholder token ids must be contiguous, got {list(token_ids)}")
+        self.first_id = int(token_ids[0])
+        self.vectors = torch.nn.Parameter(initial.detach().clone().float())
+
+    def forward(self, input_ids: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """Replace the embeddings of placeholder positions by the trainable vectors."""
+        offset = input_ids - self.first_id
+        is_new = (offset >= 0) & (offset < self.vectors.shape[0])
+        rows = self.vectors[offset.clamp(0, self.vectors.shape[0] - 1)].to(token_embeds.dtype)
+        return torch.where(is_new.unsqueeze(-1), rows, token_embeds)
+
+
+class EmbeddingHook:
+    """Routes the text encoder's frozen token embedding through the learned rows.
+
+    A forward hook on ``text_encoder.get_input_embeddings()``: its output at placeholder positions
+    is replaced by ``learned(input_ids, output)``, so the gradient reaches the learned rows and the
+    frozen matrix gets none. Install it for as long as training runs; :meth:`remove` undoes it.
+
+    Args:
+        text_encoder: a transformers text model (``get_input_embeddings()``).
+        learned: a :class:`LearnedEmbeddings`, or a wrapper of one (accelerate, DDP) that takes
+            ``(input_ids, token_embeds)`` the same way.
+    """
+
+    def __init__(self, text_encoder, learned: torch.nn.Module):
+        self.learned = learned
+        self.handle = text_encoder.get_input_embeddings().register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        return self.learned(args[0], output)
+
+    def remove(self) -> None:
+        """Uninstall the hook: the text encoder reads its own matrix again."""
+        self.handle.remove()
+
+
+def write_rows(text_encoder, token_ids: Sequence[int], vectors: torch.Tensor) -> None:
+    """Copy learned vectors into the text encoder's embedding matrix (for saving and sampling)."""
+    with torch.no_grad():
+        text_encoder.get_input_embeddings().weight[list(token_ids)] = vectors.detach().to(
+            text_encoder.get_input_embeddings().weight.dtype
+        )

@@ -1,0 +1,119 @@
+"""What a run writes besides checkpoints: learned embeddings, JSON records, validation samples, the full pipeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+from helpers import supervise
+from helpers.engine.rows import write_rows
+from helpers.files import write_text_atomic
+
+if TYPE_CHECKING:
+    from helpers.engine.setup import Run
+
+
+def save_learned_embeds(path: str | os.PathLike, placeholder_token: str, vectors: torch.Tensor) -> Path:
+    """Write ``{placeholder_token: [num_vectors, hidden]}``, the format ``load_textual_inversion`` reads."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({placeholder_token: vectors.detach().float().cpu().contiguous()}, str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` as JSON, atomically."""
+    write_text_atomic(path, json.dumps(value, indent=2))
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.rename(tmp, dest)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _sampling_pipeline(run: Run):
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    return StableDiffusionPipeline(
+        vae=AutoencoderKL.from_pretrained(run.model_dir, subfolder="vae"),
+        text_encoder=run.text_encoder,
+        tokenizer=run.tokenizer,
+        unet=run.unet,
+        scheduler=DPMSolverMultistepScheduler.from_pretrained(run.model_dir, subfolder="scheduler"),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+@torch.no_grad()
+def save_samples(run: Run, dest: Path) -> list[Path]:
+    """Generate validation images with the current embedding into ``dest`` (main process only)."""
+    config, unet, text_encoder = run.config, run.unet, run.text_encoder
+    write_rows(text_encoder, run.token_ids, run.vectors)
+    learned = run.hook.learned
+    run.hook.learned = lambda ids, out: out  # the rows are in the matrix now
+    was_training = (unet.training, text_encoder.training)
+    unet.eval()
+    text_encoder.eval()
+    try:
+        pipe = _sampling_pipeline(run)
+        pipe.set_progress_bar_config(disable=True)
+        gen = torch.Generator().manual_seed(config.seed)
+        prompts = [config.validation_prompt] * config.num_validation_images
+        with run.accelerator.autocast():  # the UNet may hold bf16 weights
+            images = pipe(prompts, num_inference_steps=25, generator=gen, callback_on_step_end=_beat).images
+    finally:
+        unet.train(was_training[0])
+        text_encoder.train(was_training[1])
+        run.hook.learned = learned
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=_mkdir(dest.parent)))
+    for i, image in enumerate(images):
+        image.save(tmp / f"{i:02d}.png")
+    replace_dir(tmp, dest)
+    return [dest / f"{i:02d}.png" for i in range(len(images))]
+
+
+def _beat(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+    """Sampling can outlast helpers.launch's stall limit: each denoising step counts as progress."""
+    supervise.beat("validating", step)
+    return callback_kwargs
+
+
+def save_full_pipeline(run: Run, dest: Path) -> Path:
+    """Save a complete diffusers pipeline with the extended tokenizer and text encoder."""
+    from diffusers import StableDiffusionPipeline
+
+    write_rows(run.text_encoder, run.token_ids, run.vectors)
+    # Training never changes the UNet: reuse it unless it was cast to bf16, then load the original.
+    unet = {"unet": run.unet} if run.unet.dtype == torch.float32 else {}
+    base = StableDiffusionPipeline.from_pretrained(
+        run.model_dir,
+        text_encoder=run.text_encoder,
+        tokenizer=run.tokenizer,
+        safety_checker=None,
+        requires_safety_checker=False,
+        **unet,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=_mkdir(dest.parent)))
+    try:
+        base.save_pretrained(tmp, safe_serialization=True)
+        replace_dir(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

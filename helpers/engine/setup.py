@@ -1,0 +1,211 @@
+"""From checked settings to a run ready to train: accelerator, modules, rows, cached latents, schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+from helpers import cpu, data, models, supervise
+from helpers.config import TrainConfig
+from helpers.engine.rows import (
+    EmbeddingHook,
+    LearnedEmbeddings,
+    add_placeholder_tokens,
+    placeholder_tokens_for,
+)
+from helpers.engine.step import AllreduceCounter, EpochSampler, IndexedDataset, StepParts, cache_latents
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Run:
+    """A run ready to train, and what saving and sampling need of it.
+
+    Attributes:
+        config: the settings.
+        accelerator: the processes, precision and prepared objects.
+        precision: the precision chosen for this CPU (:func:`helpers.cpu.choose_precision`).
+        model_dir: the local folder of the base model.
+        output_dir: where the run writes.
+        tokenizer, text_encoder, unet: with the placeholder tokens added (the UNet may be bf16).
+        token_ids, tokens: the new tokens' ids and names.
+        hook: routes the text encoder's embedding through the learned rows while training.
+        parts: what :func:`~helpers.engine.step.training_step` needs.
+        counter: the all-reduce byte counter (all-reduces only with several processes).
+        sampler, loader: the data order and the prepared loader.
+        steps_per_epoch, max_steps, num_epochs: the schedule.
+    """
+
+    config: TrainConfig
+    accelerator: Accelerator
+    precision: cpu.PrecisionChoice
+    model_dir: Path
+    output_dir: Path
+    tokenizer: Any
+    text_encoder: Any
+    unet: Any
+    token_ids: list[int]
+    tokens: list[str]
+    hook: EmbeddingHook
+    parts: StepParts
+    counter: AllreduceCounter
+    sampler: EpochSampler
+    loader: Any
+    steps_per_epoch: int
+    max_steps: int
+    num_epochs: int
+
+    @property
+    def vectors(self) -> torch.nn.Parameter:
+        """The learned rows."""
+        return self.parts.vectors
+
+
+def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
+    """Load the modules, add the tokens, cache the latents, build optimizer, loader and schedule.
+
+    Args:
+        config: checked settings (:func:`helpers.textual_inversion.check_inputs`).
+        model_dir: the base model's local folder.
+        tokenizer: its tokenizer (the placeholder tokens are added to it).
+    """
+    precision = cpu.choose_precision(config.mixed_precision)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        mixed_precision=precision.mixed_precision,
+        cpu=True,
+    )
+    cpu.set_threads()
+    logger.info(f"precision: {precision.reason}", main_process_only=True)
+    if precision.warning:
+        logger.warning(precision.warning, main_process_only=True)
+    text_encoder, vae, unet, noise_scheduler, token_ids = _load_modules(
+        config, model_dir, tokenizer, precision
+    )
+    tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
+
+    dataset = data.ConceptDataset(
+        config.train_data_dir,
+        tokenizer,
+        " ".join(tokens),
+        learnable_property=config.learnable_property,
+        size=config.resolution,
+        repeats=config.repeats,
+        center_crop=config.center_crop,
+        seed=config.seed,
+    )
+    latent_mean, latent_std = cache_latents(vae, dataset)
+    supervise.beat("latents cached")
+    scaling = vae.config.scaling_factor
+    del vae  # never needed again: the encoder ran once per view
+
+    learned = LearnedEmbeddings(text_encoder.get_input_embeddings().weight[token_ids], token_ids)
+    lr = config.learning_rate
+    if config.scale_lr:
+        lr *= config.gradient_accumulation_steps * config.train_batch_size * accelerator.num_processes
+    optimizer = torch.optim.AdamW(
+        learned.parameters(),
+        lr=lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        weight_decay=config.adam_weight_decay,
+        eps=config.adam_epsilon,
+    )
+    sampler = EpochSampler(len(dataset), config.seed)
+    loader = torch.utils.data.DataLoader(
+        IndexedDataset(dataset),
+        batch_size=config.train_batch_size,
+        sampler=sampler,
+        num_workers=config.dataloader_num_workers,
+    )
+    steps_per_epoch = math.ceil(
+        math.ceil(len(loader) / accelerator.num_processes) / config.gradient_accumulation_steps
+    )
+    max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
+
+    from diffusers.optimization import get_scheduler
+
+    lr_scheduler = get_scheduler(
+        config.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
+        num_training_steps=max_steps * accelerator.num_processes,
+        num_cycles=config.lr_num_cycles,
+    )
+    # The 3 KB of learned rows are not wrapped in DDP: after each synchronising backward one
+    # synchronous all-reduce averages their gradient (see AllreduceCounter). A DDP reducer holds the
+    # process group and, freed with the GIL held, joined gloo's threads while one of them waited for
+    # the GIL: the exit deadlock of issue 11. evaluation_mode=True: mixed precision and checkpointing
+    # as a prepared model, no DDP.
+    learned = accelerator.prepare_model(learned, evaluation_mode=True)
+    optimizer, loader, lr_scheduler = accelerator.prepare(optimizer, loader, lr_scheduler)
+    counter = AllreduceCounter()
+    parts = StepParts(
+        unet=unet,
+        text_encoder=text_encoder,
+        noise_scheduler=noise_scheduler,
+        learned=learned,
+        optimizer=optimizer,
+        latent_mean=latent_mean,
+        latent_std=latent_std,
+        scaling_factor=scaling,
+        seed=config.seed,
+        lr_scheduler=lr_scheduler,
+        autocast=accelerator.autocast,
+        backward=accelerator.backward,
+        allreduce=counter if accelerator.num_processes > 1 else None,
+    )
+    return Run(
+        config=config,
+        accelerator=accelerator,
+        precision=precision,
+        model_dir=model_dir,
+        output_dir=Path(config.output_dir),
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        unet=unet,
+        token_ids=token_ids,
+        tokens=tokens,
+        hook=EmbeddingHook(text_encoder, learned),
+        parts=parts,
+        counter=counter,
+        sampler=sampler,
+        loader=loader,
+        steps_per_epoch=steps_per_epoch,
+        max_steps=max_steps,
+        num_epochs=math.ceil(max_steps / steps_per_epoch),
+    )
+
+
+def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cpu.PrecisionChoice):
+    """Text encoder (trainable rows added), VAE, UNet, noise schedule; everything frozen."""
+    # With bf16 the UNet, only ever read, is loaded in bf16, as diffusers' script casts it: no step
+    # re-casts its 860 M weights (autocast would, and hold the casts for the backward). Saving the
+    # full pipeline takes the UNet from the base model, untouched.
+    dtype = cpu.compute_dtype(precision.mixed_precision)
+    supervise.beat("loading")  # each phase of a start counts as progress for helpers.launch
+    parts = models.load_components(model_dir, unet_dtype=dtype)
+    supervise.beat("loaded")
+    text_encoder, vae, unet = parts.text_encoder, parts.vae, parts.unet
+    noise_scheduler = parts.noise_scheduler
+    del parts  # holds the VAE: it must go when the latents are cached
+    token_ids = add_placeholder_tokens(
+        tokenizer, text_encoder, config.placeholder_token, config.initializer_token, config.num_vectors
+    )
+    for module in (text_encoder, vae, unet):
+        module.requires_grad_(False)
+    vae.eval()
+    text_encoder.train(config.gradient_checkpointing)
+    unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        text_encoder.gradient_checkpointing_enable()
+    if config.use_ipex:
+        cpu.apply_ipex(unet, text_encoder, dtype)
+    return text_encoder, vae, unet, noise_scheduler, token_ids

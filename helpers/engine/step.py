@@ -1,0 +1,281 @@
+"""One optimisation step and what it draws on: data order, cached latents, keyed random draws, the loss.
+
+:func:`training_step` is the engine's step and the one ``bench/`` times: whatever changes here is
+what the benchmarks measure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from helpers import data, supervise
+
+# --- data and latents --------------------------------------------------------------------------
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """A seeded shuffle that is the same on every process and changes with the epoch."""
+
+    def __init__(self, length: int, seed: int):
+        self.length, self.seed, self.epoch = length, seed, 0
+
+    def __iter__(self) -> Iterator[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.length, generator=gen).tolist())
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """Adds each item's dataset index (``"index"``), the key of its random draws."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"index": i, **self.dataset[i]}
+
+
+@torch.no_grad()
+def cache_latents(
+    vae, dataset: data.ConceptDataset, batch_size: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode every view of the dataset once; return the latent distributions' mean and std."""
+    means, stds = [], []
+    for start in range(0, dataset.num_views, batch_size):
+        views = range(start, min(start + batch_size, dataset.num_views))
+        pixels = torch.stack([dataset.view_pixels(v) for v in views]).to(vae.dtype)
+        dist = vae.encode(pixels).latent_dist
+        means.append(dist.mean.float())
+        stds.append(dist.std.float())
+    return torch.cat(means), torch.cat(stds)
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """The generator of one sample's random draws, keyed so any split of the work agrees."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + index)
+
+
+def draw_sample_noise(
+    latent_mean: torch.Tensor, latent_std: torch.Tensor, num_train_timesteps: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sample's latent (sampled from its cached distribution), diffusion noise and timestep."""
+    latent = latent_mean + latent_std * torch.randn(latent_mean.shape, generator=generator)
+    noise = torch.randn(latent_mean.shape, generator=generator)
+    timestep = torch.randint(0, num_train_timesteps, (1,), generator=generator)
+    return latent, noise, timestep
+
+
+def draw_batch(
+    latent_mean: torch.Tensor,
+    latent_std: torch.Tensor,
+    indices: Sequence[int] | torch.Tensor,
+    view_indices: Sequence[int] | torch.Tensor,
+    num_train_timesteps: int,
+    seed: int,
+    epoch: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's latents, diffusion noise and timesteps ``[B]``, each sample from its keyed generator.
+
+    Args:
+        latent_mean, latent_std: the cached latent distributions of every view (:func:`cache_latents`).
+        indices: dataset index of each sample (the key of its draws).
+        view_indices: which cached view each sample shows.
+    """
+    draws = [
+        draw_sample_noise(
+            latent_mean[int(v)],
+            latent_std[int(v)],
+            num_train_timesteps,
+            sample_generator(seed, epoch, int(i)),
+        )
+        for i, v in zip(indices, view_indices, strict=True)
+    ]
+    latents, noise, timesteps = (torch.stack(x) for x in zip(*draws, strict=True))
+    return latents, noise, timesteps.squeeze(1)
+
+
+def diffusion_loss(
+    unet,
+    text_encoder,
+    noise_scheduler,
+    input_ids: torch.Tensor,
+    latents: torch.Tensor,
+    noise: torch.Tensor,
+    timesteps: torch.Tensor,
+) -> torch.Tensor:
+    """The denoising loss of one batch (latents already scaled by the VAE's scaling factor)."""
+    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+    encoder_hidden_states = text_encoder(input_ids)[0]
+    pred = unet(noisy, timesteps, encoder_hidden_states).sample
+    if noise_scheduler.config.prediction_type == "v_prediction":
+        target = noise_scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        target = noise
+    return F.mse_loss(pred.float(), target.float(), reduction="mean")
+
+
+# --- the step ----------------------------------------------------------------------------------
+
+
+class AllreduceCounter:
+    """Averages a gradient over the processes and counts the bytes that took.
+
+    The engine calls :meth:`all_reduce_mean` on the learned rows' gradient once per optimisation
+    step; ``bench.allreduce`` registers :meth:`hook` as a DDP communication hook to count what DDP
+    sends for the same step. ``bytes`` and ``calls`` (one per optimisation step) accumulate.
+    """
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+
+    def _count(self, tensor: torch.Tensor, last: bool) -> None:
+        self.bytes += tensor.numel() * tensor.element_size()
+        self.calls += int(last)
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor`` by its mean over the ranks, synchronously, as DDP does with gradients
+        (divide by the world size, then sum)."""
+        import torch.distributed as dist
+
+        self._count(tensor, last=True)
+        tensor.div_(dist.get_world_size())
+        dist.all_reduce(tensor)
+
+    def hook(self, state, bucket):
+        """A DDP communication hook: counts the bucket, then all-reduces it as DDP's default hook."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._count(bucket.buffer(), bucket.is_last())
+        return allreduce_hook(None, bucket)
+
+
+def _plain_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+@dataclass
+class StepParts:
+    """Everything one optimisation step touches: the frozen modules, the rows, the optimizer, the latents.
+
+    The engine builds it from the accelerator's objects (:func:`helpers.engine.setup.setup_run`);
+    ``bench.common`` from plain ones. The rows take part through an :class:`~helpers.engine.rows.EmbeddingHook`
+    installed on ``text_encoder`` by whoever built the parts.
+
+    Attributes:
+        unet, text_encoder, noise_scheduler: the frozen modules and the training noise schedule.
+        learned: the :class:`~helpers.engine.rows.LearnedEmbeddings` (or a wrapper with ``.module``).
+        optimizer: over the learned rows only.
+        latent_mean, latent_std: every view's cached latent distribution (:func:`cache_latents`).
+        scaling_factor: the VAE's latent scaling factor.
+        seed: the run's seed, the first key of every random draw.
+        lr_scheduler: stepped after the optimizer, if any.
+        autocast: the forward pass's precision context (``accelerator.autocast``).
+        backward: how to back-propagate a micro-batch's loss (``accelerator.backward`` divides it
+            by the accumulation steps); plain ``loss.backward()`` by default.
+        allreduce: averages the rows' gradient over the processes; None in one process (or under DDP).
+        gradient_checked: whether the first step's gradient was checked to reach the rows.
+    """
+
+    unet: torch.nn.Module
+    text_encoder: torch.nn.Module
+    noise_scheduler: Any
+    learned: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    latent_mean: torch.Tensor
+    latent_std: torch.Tensor
+    scaling_factor: float
+    seed: int
+    lr_scheduler: Any | None = None
+    autocast: Callable[[], AbstractContextManager] = nullcontext
+    backward: Callable[[torch.Tensor], None] = _plain_backward
+    allreduce: AllreduceCounter | None = None
+    gradient_checked: bool = False
+
+    @property
+    def vectors(self) -> torch.nn.Parameter:
+        """The learned rows themselves (``num_vectors x hidden``), unwrapped."""
+        return getattr(self.learned, "module", self.learned).vectors
+
+
+def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, step: int) -> float:
+    """One optimisation step: each micro-batch's loss and backward, the rows' all-reduce, the update.
+
+    For each micro-batch: its latents, noise and timesteps drawn from generators keyed by
+    (seed, epoch, dataset index), the diffusion loss under ``parts.autocast``, and
+    ``parts.backward``. Then, with several processes, the learned rows' gradient is averaged by one
+    synchronous all-reduce of ``num_vectors x hidden`` floats (the frozen matrix has no gradient);
+    the first step checks the gradient reached the rows; then optimizer and scheduler step.
+
+    Args:
+        parts: the modules, rows, optimizer and latents.
+        micro_batches: this process's batches of the step (``gradient_accumulation_steps`` of them,
+            fewer at the end of an epoch), each with ``index``, ``view_index`` and ``input_ids``.
+        epoch: the epoch, the second key of the random draws.
+        step: the number of the step being taken (1 for the first), for progress reports.
+
+    Returns:
+        The mean loss of this process's micro-batches.
+    """
+    if not micro_batches:
+        raise ValueError("training_step needs at least one micro-batch")
+    losses = []
+    for batch in micro_batches:
+        latents, noise, timesteps = draw_batch(
+            parts.latent_mean,
+            parts.latent_std,
+            batch["index"],
+            batch["view_index"],
+            parts.noise_scheduler.config.num_train_timesteps,
+            parts.seed,
+            epoch,
+        )
+        with parts.autocast():
+            loss = diffusion_loss(
+                parts.unet,
+                parts.text_encoder,
+                parts.noise_scheduler,
+                batch["input_ids"],
+                latents * parts.scaling_factor,
+                noise,
+                timesteps,
+            )
+        parts.backward(loss)
+        losses.append(loss.detach().item())
+    vectors = parts.vectors
+    if parts.allreduce is not None:
+        # a rank blocked here waits for a slower one; helpers.launch blames that one
+        supervise.beat(supervise.WAITING, step)
+        parts.allreduce.all_reduce_mean(vectors.grad)
+    if not parts.gradient_checked:
+        check_gradient_reaches(vectors)
+        parts.gradient_checked = True
+    parts.optimizer.step()
+    if parts.lr_scheduler is not None:
+        parts.lr_scheduler.step()
+    parts.optimizer.zero_grad()
+    return sum(losses) / len(losses)
+
+
+def check_gradient_reaches(vectors: torch.Tensor) -> None:
+    """Guard against setups (e.g. IPEX weight prepacking) that silently cut the gradient.
+
+    Raises:
+        RuntimeError: the rows' gradient is None, zero or not finite.
+    """
+    if vectors.grad is None or not torch.isfinite(vectors.grad).all() or not vectors.grad.abs().sum() > 0:
+        raise RuntimeError(
+            "the gradient did not reach the placeholder embedding (it is None, zero or not finite), so "
+            "training would change nothing. If use_ipex is on, run without it; otherwise report this bug."
+        )
