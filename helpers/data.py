@@ -125,7 +125,7 @@ class ConceptImagesWarning(UserWarning):
 
 
 class ImageFolderError(InputError):
-    """A concept-image folder cannot be used; the message lists every problem and the fix.
+    """A concept-image folder cannot be used; the one-line message lists every problem and the fix.
 
     Attributes:
         path: the folder that was checked.
@@ -135,10 +135,10 @@ class ImageFolderError(InputError):
     def __init__(self, path: Path, problems: list[tuple[Path, str]], fix: str):
         self.path = path
         self.problems = problems
-        lines = [f"Image folder {os.path.abspath(path)!r} cannot be used for training:"]
-        lines += [f"  - {p.name if p != path else str(p)}: {why}" for p, why in problems]
-        lines.append(f"Fix: {fix}")
-        super().__init__("\n".join(lines))
+        listed = "; ".join(f"{p.name if p != path else str(p)}: {why}" for p, why in problems)
+        super().__init__(
+            f"Image folder {os.path.abspath(path)!r} cannot be used for training: {listed}. Fix: {fix}"
+        )
 
 
 def sample_concept_dir() -> Path:
