@@ -46,6 +46,7 @@ MIXED_PRECISION = ("auto", "no", "bf16")
 TRAIN_ENTRY = ("-m", "helpers.train")
 PREFLIGHT_PACKAGES = (
     "torch",
+    "ray",  # --launcher ray: every node must run the driver's Ray (and torch)
     "accelerate",
     "diffusers",
     "transformers",

@@ -296,7 +296,10 @@ def train_worker(job: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     os.environ.update(job["env"])
     node = ray.util.get_node_ip_address()
-    print(f"{WORKER_TAG} rank {rank} of {world}, pid {os.getpid()}, node {node} ({socket.gethostname()})", flush=True)  # noqa: T201 - the launcher maps this pid to the rank
+    print(
+        f"{WORKER_TAG} rank {rank} of {world}, pid {os.getpid()}, node {node} ({socket.gethostname()})",
+        flush=True,
+    )  # noqa: T201 - the launcher maps this pid to the rank
     _quiet()
     supervise.start()
     bar = _BarReader(sys.stderr)
@@ -619,8 +622,13 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
         print(f"helpers.ray_launch: the workers started {startup['workers_started_seconds']} s after the "  # noqa: T201
               f"trainer; {len(rows)} step(s) reported", flush=True)  # fmt: skip
         return 0
+    from helpers.launch import _SECONDARY  # the errors a rank gets because another one went away
+
     failures = getattr(error, "worker_failures", None) or {}
-    for rank, err in sorted(failures.items()):
+    # The root cause first: helpers.launch names the first worker this prints.
+    for rank, err in sorted(
+        failures.items(), key=lambda f: (bool(_SECONDARY.search(_first_line(f[1]))), f[0])
+    ):
         status = _status(args.status_dir, rank)
         where = f"on node {status.get('host', '?')} (pid {status.get('pid', '?')})"
         print(f"{FAILED_TAG} rank {rank} failed {where}: {_first_line(err)}", flush=True)  # noqa: T201

@@ -1,5 +1,13 @@
 """Create and delete the cluster: :func:`plan` (the ordered ``az`` commands), :func:`to_script`,
 :func:`apply` (print them, or run them skipping what exists) and :func:`teardown`.
+
+Every node boots with the same cloud-init (:func:`cloud_init`): the workshop environment
+(``make setup``, which installs the pinned Ray with everything else), then Ray as a systemd
+service: ``ray start --head`` on the head node, ``ray start --address HEAD:6379`` on the workers,
+each bound to its private address (:func:`ray_start_commands`). Ray's ports are reachable only
+inside the subnet: the network security group allows node-to-node traffic there and nothing else
+but SSH from ``ssh_source_cidr``. Not testable here: cloud-init and Ray on real VMs (the tests check
+the rendered text).
 """
 
 from __future__ import annotations
@@ -32,10 +40,75 @@ _HEREDOC_END = "AZ_PLAN_FILE_EOF"
 # PyTorch's own index of CPU-only wheels: on the nodes, `torch==2.13.0` from the Python package
 # registry alone would be the multi-GB CUDA build; the CPU index offers 2.13.0+cpu, which pip prefers.
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+RAY_PORT = 6379  # the head's GCS port: --ray_address HEAD:6379 (or auto on the head)
+RAY_SERVICE = "workshop-ray"
+RAY_START_SCRIPT = "/usr/local/bin/workshop-ray-start"
+# Ray's CPU count = physical cores, as helpers.launch counts threads (hyper-threads do not speed up GEMMs).
+_PHYSICAL_CORES = "$(lscpu -p=Core,Socket | grep -v '^#' | sort -u | wc -l)"
+
+
+def ray_start_commands(spec: ClusterSpec) -> dict[str, str]:
+    """The ``ray start`` of each node, by node name: ``--head`` on the head, ``--address`` on the others.
+
+    Each binds to the node's private address; dashboard and usage statistics off. Ray's token
+    authentication is off: only the cluster's own VMs can reach these ports (the subnet's network
+    security group), and ``helpers.launch --launcher ray --ray_address auto`` runs on the head.
+    """
+    ray = f"/home/{spec.admin_user}/workshop/.venv/bin/ray"
+    head_ip = spec.node_ips[0]
+    common = f"--node-ip-address={{ip}} --num-cpus={_PHYSICAL_CORES} --disable-usage-stats --block"
+    head = f"{ray} start --head --port={RAY_PORT} --include-dashboard=false {common}"
+    worker = f"{ray} start --address={head_ip}:{RAY_PORT} {common}"
+    return {
+        name: (head if i == 0 else worker).format(ip=ip)
+        for i, (name, ip) in enumerate(zip(spec.node_names, spec.node_ips, strict=True))
+    }
+
+
+def _ray_files(spec: ClusterSpec) -> list[dict[str, str]]:
+    """The start script (the node picks its own line by its private address) and its systemd unit."""
+    commands = ray_start_commands(spec)
+    branches = "\n".join(
+        f"  {ip}) exec {commands[name]} ;;" for name, ip in zip(spec.node_names, spec.node_ips, strict=True)
+    )
+    script = f"""#!/bin/bash
+# Ray on this node, bound to its private address: the head starts the cluster, the others join it.
+set -euo pipefail
+export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
+for ip in $(hostname -I); do
+  case "$ip" in
+{branches}
+  esac
+done
+echo "none of this node's addresses ($(hostname -I)) is in the cluster spec" >&2
+exit 1
+"""
+    unit = f"""[Unit]
+Description=Ray for the workshop (head or worker, by private address)
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+User={spec.admin_user}
+ExecStart={RAY_START_SCRIPT}
+ExecStopPost=/home/{spec.admin_user}/workshop/.venv/bin/ray stop --force
+# a worker that boots before the head retries until the head answers
+Restart=on-failure
+RestartSec=15
+
+[Install]
+WantedBy=multi-user.target
+"""
+    return [
+        {"path": RAY_START_SCRIPT, "permissions": "0755", "content": script},
+        {"path": f"/etc/systemd/system/{RAY_SERVICE}.service", "permissions": "0644", "content": unit},
+    ]
 
 
 def cloud_init(spec: ClusterSpec) -> str:
-    """The cloud-config every node boots with: system packages, the repo, ``make setup``."""
+    """The cloud-config every node boots with: system packages, the repo, ``make setup`` (the
+    pinned environment, Ray included), then Ray as the ``workshop-ray`` service (see
+    :func:`ray_start_commands`)."""
     home = f"/home/{spec.admin_user}"
     setup = (
         f"set -e; cd {home}; git clone --depth 1 --branch {shlex.quote(spec.repo_ref)} "
@@ -44,10 +117,26 @@ def cloud_init(spec: ClusterSpec) -> str:
     config = {
         "package_update": True,
         "packages": ["git", "make", "python3-venv", "python3-pip", "build-essential"],
-        "runcmd": [["sudo", "-u", spec.admin_user, "-H", "bash", "-c", setup]],
+        "write_files": _ray_files(spec),
+        "runcmd": [
+            ["sudo", "-u", spec.admin_user, "-H", "bash", "-c", setup],
+            ["systemctl", "enable", "--now", f"{RAY_SERVICE}.service"],
+        ],
         "final_message": "workshop environment ready after $UPTIME s",
     }
-    return "#cloud-config\n" + yaml.safe_dump(config, sort_keys=False, width=1000)
+    return "#cloud-config\n" + yaml.dump(config, Dumper=_Dumper, sort_keys=False, width=1000)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML with files' contents as literal blocks (``|``), readable in the reviewed script."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
+    ),
+)
 
 
 def _flags(**values: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -285,6 +374,8 @@ def apply(commands: Sequence[AzCommand], dry_run: bool = True) -> str | ApplyRes
 
 def teardown(spec: ClusterSpec, confirm: str | None = None) -> None:
     """Delete the cluster's resource group and everything in it (waits until it is gone).
+
+    Ray goes with the VMs (each node's ``workshop-ray`` service runs ``ray stop`` when it stops).
 
     Args:
         spec: the cluster.

@@ -1,0 +1,526 @@
+"""helpers.launch --launcher ray: the Ray Train driver, its bad input, failures and clean-up.
+
+The equivalence with mpirun and one process is in tests/test_launch.py (the same runs are shared).
+Runs with Ray are slow (a private runtime and two workers start in 30-60 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from test_launch import history_losses, learned, train_args  # tests/ is on sys.path under pytest
+
+from helpers import distributed as d
+from helpers import faults, launch, ray_launch, supervise
+
+RAY_PROCESSES = ("raylet", "gcs_server")
+
+
+def ray_processes() -> set[int]:
+    """Pids of Ray's daemons and workers on this machine now."""
+    found = set()
+    for p in psutil.process_iter(["name", "cmdline"]):
+        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])[:1]])
+        if any(n in text for n in RAY_PROCESSES) or text.startswith("ray::"):
+            found.add(p.pid)
+    return found
+
+
+def run_cli(*flags: str, out: Path, train: list[str] | None = None, timeout: float = 600, **env: str):
+    """``python -m helpers.launch --launcher ray <flags> -- <the tiny run's flags> <train>``."""
+    argv = [
+        sys.executable,
+        "-m",
+        "helpers.launch",
+        "--launcher",
+        "ray",
+        *flags,
+        "--",
+        *train_args(out),
+        *(train or []),
+    ]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env},
+                          cwd=out.parent)  # fmt: skip
+
+
+# --- without Ray running -------------------------------------------------------------------------
+
+
+def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
+    stream, log = io.StringIO(), io.StringIO()
+    out = launch._Output(stream, log)
+    cmd = d.LaunchCommand(argv=("x",), output_tags="ray")
+    pieces = [
+        ("helpers.ray_launch: Ray 2.60.0 started on this machine in 9.0 s", "\n"),
+        ("(TrainController pid=11) Attempting to start training worker group of size 2", "\n"),
+        (f"(RayTrainWorker pid=22) {ray_launch.WORKER_TAG} rank 1 of 2, pid 22, node 10.0.0.5 (b)", "\n"),
+        (f"(RayTrainWorker pid=33, ip=10.0.0.4) {ray_launch.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)", "\n"),
+        ("(RayTrainWorker pid=33, ip=10.0.0.4) precision: fp32 requested", "\n"),
+        ("", "\r"),
+        ("bar 50%(RayTrainWorker pid=22) Traceback (most recent call last):", "\n"),  # right after a redraw
+        ("(RayTrainWorker pid=22) RuntimeError: boom", "\n"),
+        ("(PlacementGroupCleaner pid=44) Failed to query Ray Train Controller actor state.", "\n"),
+    ]  # fmt: skip
+    for text, end in pieces:
+        out.feed(0, cmd, text, end)
+    assert stream.getvalue() == (
+        "helpers.ray_launch: Ray 2.60.0 started on this machine in 9.0 s\n"
+        f"{ray_launch.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)\nprecision: fp32 requested\n\rbar 50%\n"
+    )
+    assert out.ray_ranks == {22: 1, 33: 0}
+    assert list(out.tails[1])[1:] == ["Traceback (most recent call last):", "RuntimeError: boom"]
+    assert out.errors == {1: ["RuntimeError: boom"]}
+    assert "(TrainController) Attempting to start training worker group of size 2\n" in log.getvalue()
+    assert "[1] RuntimeError: boom\n" in log.getvalue()
+
+
+def test_the_drivers_input_error_is_the_jobs_one_message():
+    out = launch._Output(io.StringIO(), None)
+    cmd = d.LaunchCommand(argv=("x",), output_tags="ray")
+    out.feed(0, cmd, "error: --ray_address auto: no Ray cluster runs on this machine", "\n")
+    assert (
+        out.stream.getvalue() == ""
+        and out.input_error == "--ray_address auto: no Ray cluster runs on this machine"
+    )
+    result = launch.JobResult(2, 3.0, input_error=out.input_error)
+    assert result.message() == "--ray_address auto: no Ray cluster runs on this machine"
+
+
+def test_diagnose_names_the_worker_the_driver_reports_first():
+    text = (
+        f"{ray_launch.FAILED_TAG} rank 1 failed on node b (pid 22): WorkerHealthCheckFailedError: A worker health "
+        f"check failed.\n{ray_launch.FAILED_TAG} rank 0 failed on node a (pid 33): RuntimeError: Connection reset by peer"
+    )
+    errors = {0: ["RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"]}
+    assert launch.diagnose(errors, {0: 1.0}, text) == (
+        1, "the launcher reports failed on node b (pid 22): WorkerHealthCheckFailedError: A worker health check failed."
+    )  # fmt: skip
+
+
+def test_the_bar_reader_keeps_the_loss_and_drops_the_redraws():
+    stream = io.StringIO()
+    bar = ray_launch._BarReader(stream)
+    bar.write("\rtextual inversion:  50%|#####     | 1/2 [00:00<00:00, loss=1.1072]")
+    bar.write("\rtextual inversion: 100%|##########| 2/2 [00:00<00:00, loss=1.0881]")
+    assert bar.loss == 1.0881
+    bar.write("\n")  # the bar's closing newline
+    bar.write("learned embeddings: x\n")
+    assert stream.getvalue() == "learned embeddings: x\n"
+
+
+def test_supervise_listeners_see_every_beat_and_finish_reads_as_an_exit(tmp_path, monkeypatch):
+    monkeypatch.setenv(supervise.STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(supervise, "_reporter", None)
+    seen = []
+    supervise.add_listener(lambda state, step: seen.append((state, step)))
+    try:
+        supervise.start()
+        supervise.beat("training", 5)
+        watcher = supervise.Watcher(tmp_path)
+        assert watcher.poll(0.0)[3].alive
+        supervise.finish()
+        assert not watcher.poll(1.0)[3].alive and watcher.first_exit() == (3, 1.0)
+        supervise.beat("training", 6)  # after finish: listeners only, no status written
+    finally:
+        supervise._listeners.clear()
+    assert seen == [("started", None), ("training", 5), ("training", 6)]
+    assert json.loads((tmp_path / "rank3.json").read_text())["step"] == 5
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ray_address", "no-such-head.invalid:6379"], "--ray_address no-such-head.invalid:6379: host "
+         "'no-such-head.invalid' does not resolve; pass the head node's private address, e.g. 10.42.1.4:6379"),
+        (["--ray_address", "10.42.1.4"], "--ray_address 10.42.1.4: expected auto or HOST:PORT of the head node's "
+         "Ray (GCS) port, e.g. 10.42.1.4:6379"),
+        (["--nproc_per_node", "3", "--threads_per_process", "1"], "--nproc_per_node 3 x 1 thread(s) needs 3 CPUs, "
+         "this machine has {cpus}: pass at most --nproc_per_node {cpus}, or join a bigger cluster with --ray_address"),
+        (["--num_nodes", "2"], "--num_nodes 2: without --ray_address Ray runs on this machine only (one node); start "
+         "a Ray cluster (`ray start --head` on the head, `ray start --address HEAD:6379` on the others) and pass "
+         "--ray_address auto"),
+        (["--hostfile", "hosts"], "--hostfile: not used with --launcher ray (Ray finds its nodes and addresses "
+         "itself); drop it, and join a cluster with --ray_address"),
+    ],
+)  # fmt: skip
+def test_bad_ray_options_are_one_line_before_anything_starts(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    before = ray_processes()
+    start = time.monotonic()
+    args = launch.parse_args(["--launcher", "ray", *flags, "--", *train_args(tmp_path / "out")])
+    assert launch.main(args) == 2
+    assert time.monotonic() - start < 10
+    cpus = ray_launch.local_cpus()
+    assert capsys.readouterr().err == f"error: {message.format(cpus=cpus)}\n"
+    assert not (tmp_path / "out").exists() and ray_processes() <= before
+
+
+def test_an_address_where_nothing_listens_is_refused_within_seconds(tmp_path, capsys):
+    port = d.free_port()
+    start = time.monotonic()
+    args = launch.parse_args(
+        ["--launcher", "ray", "--ray_address", f"127.0.0.1:{port}", "--", *train_args(tmp_path / "o")]
+    )
+    assert launch.main(args) == 2 and time.monotonic() - start < 10
+    assert capsys.readouterr().err == (
+        f"error: --ray_address 127.0.0.1:{port}: nothing answers there (connection refused within 3 s); "
+        f"start the head with `ray start --head --port {port}`, or pass the address it printed\n"
+    )
+
+
+def test_ray_options_with_another_launcher_are_refused(capsys, tmp_path):
+    args = launch.parse_args(
+        ["--launcher", "mpirun", "--ray_address", "auto", "--", *train_args(tmp_path / "o")]
+    )
+    assert launch.main(args) == 2
+    assert capsys.readouterr().err == (
+        "error: --ray_address is for --launcher ray only; with mpirun the hostfile lists the nodes\n"
+    )
+
+
+def test_dry_run_prints_the_driver_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    flags = ["--launcher", "ray", "--nproc_per_node", "4", "--num_nodes", "3", "--threads_per_process", "2",
+             "--ray_address", "auto", "--dry_run", "--", *train_args(tmp_path / "out")]  # fmt: skip
+    assert launch.main(launch.parse_args(flags)) == 0
+    comment, command = capsys.readouterr().out.splitlines()
+    assert comment == f"# ray, on the head node, from {tmp_path}:"
+    work = tmp_path / "out" / "launch"
+    assert command.startswith(
+        f"{sys.executable} -m helpers.ray_launch --nproc_per_node 4 --num_nodes 3 --threads_per_process 2 "
+        f"--work_dir {work} --status_dir {work / 'status'} --ray_address auto -- --pretrained_model_name_or_path tiny"
+    )
+
+
+def test_nodes_must_match_this_environment_and_hold_the_workers():
+    from importlib import metadata
+
+    here = {
+        "python": sys.version.split()[0],
+        "ray": metadata.version("ray"),
+        "torch": metadata.version("torch"),
+    }
+    nodes = [{"node": "10.0.0.4", "cpus": 8.0, **here}, {"node": "10.0.0.5", "cpus": 4.0, **here}]
+    ray_launch.check_nodes(nodes, nproc_per_node=2, num_nodes=2, threads=2)
+    with pytest.raises(ray_launch.RayLaunchError) as err:
+        ray_launch.check_nodes(nodes, nproc_per_node=2, num_nodes=2, threads=4)
+    assert str(err.value) == (
+        "--nproc_per_node 2 x 4 thread(s) on --num_nodes 2 needs 2 node(s) with 8 CPUs each; the cluster has 1 "
+        "(10.0.0.4: 8, 10.0.0.5: 4 CPUs): pass fewer workers or threads, or add nodes"
+    )
+    nodes[1]["ray"] = "2.59.0"
+    with pytest.raises(ray_launch.RayLaunchError) as err:
+        ray_launch.check_nodes(nodes, nproc_per_node=1, num_nodes=1, threads=1)
+    assert str(err.value) == (
+        f"Ray node 10.0.0.5 runs ray 2.59.0 (here {here['ray']}): every node needs the same versions; run "
+        "`make setup` there (requirements.txt pins them) and restart its Ray"
+    )
+
+
+# --- with Ray --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_path, capsys, monkeypatch):
+    """Rank 1 is killed (SIGKILL) while training: the job ends within 60 s, the message names rank 1,
+    its node and its last lines; run_summary.json is not written and nothing half-written is left;
+    no raylet or gcs_server survives."""
+    before = ray_processes()
+    out = tmp_path / "out"
+    layout = d.ClusterLayout.local(2, threads_per_process=1)
+    commands = launch.prepare_job(layout, train_args(out, steps=100_000), "ray")
+    status = Path(commands[0].status_dir)
+    killed = []
+
+    def kill_rank_1() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                report = json.loads((status / "rank1.json").read_text())
+            except (OSError, ValueError):
+                report = {}
+            if report.get("state") == "training":
+                os.kill(report["pid"], signal.SIGKILL)
+                killed.append((time.monotonic(), report["pid"], report["host"]))
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=kill_rank_1, daemon=True).start()
+    result = launch.run_job(commands, stream=io.StringIO(), cwd=tmp_path, timeout=600)
+    assert killed, "rank 1 never started training"
+    assert time.monotonic() - killed[0][0] < 60
+    assert result.returncode == 1 and result.failed_rank == 1
+    _, pid, host = killed[0]
+    assert result.error.startswith(f"the launcher reports failed on node {host} (pid {pid}): ")
+    first, *rest = result.message().splitlines()
+    assert first.startswith("rank 1 failed (exit code 1, after ")
+    assert rest[0] == "last lines of rank 1:" and rest[1].startswith(f"  {ray_launch.WORKER_TAG} rank 1 of 2")
+    assert not (out / "run_summary.json").exists()
+    assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]
+    assert ray_processes() <= before
+
+
+@pytest.mark.slow
+def test_resume_from_the_last_checkpoint(tmp_path):
+    """2 steps with a checkpoint at each, then --resume_from_checkpoint latest to 3 steps: the same
+    embedding as one process with batch 2 running 3 steps straight (tolerance as in test_launch)."""
+    out = tmp_path / "ray"
+    first = run_cli("--nproc_per_node", "2", out=out, train=["--checkpointing_steps", "1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    second = run_cli("--nproc_per_node", "2", out=out,
+                     train=["--max_train_steps", "3", "--resume_from_checkpoint", "latest"])  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    single = subprocess.run([sys.executable, "-m", "helpers.train", *train_args(tmp_path / "single", steps=3, batch=2)],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert [h["step"] for h in json.loads((out / "history.json").read_text())] == [1, 2, 3]
+    assert history_losses(out) == pytest.approx(history_losses(tmp_path / "single"), rel=1e-5)
+    torch.testing.assert_close(learned(out), learned(tmp_path / "single"), rtol=0, atol=2e-5)
+    run = json.loads((out / "launch" / "ray_run.json").read_text())
+    assert run["reports"][0]["step"] == 3 and run["summary"]["steps"] == 3  # resumed at 2: one step
+
+
+@pytest.mark.slow
+def test_auto_address_without_a_cluster_is_one_line_within_seconds(tmp_path):
+    before = ray_processes()
+    start = time.monotonic()
+    done = run_cli("--ray_address", "auto", out=tmp_path / "out", timeout=120, RAY_ADDRESS="")
+    assert time.monotonic() - start < 30
+    assert done.returncode == 2
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error")]
+    assert errors == [
+        "error: --ray_address auto: no Ray cluster runs on this machine; start one (`ray start --head`) or pass "
+        "HOST:PORT of the head node, or leave the flag out for a private runtime"
+    ]
+    assert not (tmp_path / "out" / "run_summary.json").exists() and ray_processes() <= before
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_after_training_is_stopped_after_the_grace(tmp_path, monkeypatch):
+    """Rank 0 writes every output, then hangs; rank 1's training function ends (finish() frees its
+    lock). The launcher stops the Ray job after the grace and exits 0: the outputs are complete."""
+    monkeypatch.setenv(faults.HANG_RANK, "0")
+    before = ray_processes()
+    out = tmp_path / "out"
+    layout = d.ClusterLayout.local(2, threads_per_process=1)
+    commands = launch.prepare_job(layout, train_args(out), "ray")
+    result = launch.run_job(commands, stream=io.StringIO(), exit_grace_seconds=5, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0 and result.killed and result.not_ended == [0] and result.outputs_complete
+    assert result.message().splitlines()[0] == (
+        "rank 0 did not end within 5 s of rank 1 exiting; helpers.launch stopped it. "
+        f"Outputs complete: {out / 'run_summary.json'} was written."
+    )
+    time.sleep(2)
+    assert ray_processes() <= before
+
+
+# --- a Ray cluster of two nodes (two raylets on this machine) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(tmp_path_factory):
+    """``ray start --head`` and ``ray start --address`` (1 CPU each), token auth, own temp folder;
+    both started with --block so that ending them ends all their processes (no `ray stop`)."""
+    import secrets
+
+    ray = str(Path(sys.executable).parent / "ray")
+    temp = tempfile_short()
+    env = {
+        **os.environ,
+        **ray_launch.DRIVER_ENV,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+    }
+    port = d.free_port()
+    head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
+                             "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    procs = [head]
+    try:
+        address = wait_for_head(port)
+        worker = subprocess.Popen([ray, "start", "--block", f"--address={address}", "--num-cpus=1"],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)  # fmt: skip
+        procs.append(worker)
+        yield address, env
+    finally:
+        for p in procs:
+            tree = (
+                [p.pid, *(c.pid for c in psutil.Process(p.pid).children(recursive=True))]
+                if p.poll() is None
+                else []
+            )
+            for pid in tree:
+                with __import__("contextlib").suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            p.wait()
+        __import__("shutil").rmtree(temp, ignore_errors=True)
+
+
+def tempfile_short() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="ray-t-", dir="/tmp")
+
+
+def wait_for_head(port: int, timeout: float = 120) -> str:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    for host in [socket.gethostbyname(socket.gethostname()), "127.0.0.1"] * 10_000:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return f"{host}:{port}"
+        except OSError:
+            assert time.monotonic() < deadline, "the Ray head did not start"
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.slow
+def test_joining_a_two_node_cluster(two_node_cluster, tmp_path):
+    """--ray_address HOST:PORT --num_nodes 2 --nproc_per_node 1: one worker per node, the same engine."""
+    address, env = two_node_cluster
+    out = tmp_path / "out"
+    done = run_cli("--ray_address", address, "--num_nodes", "2", "--nproc_per_node", "1",
+                   "--threads_per_process", "1", out=out, **env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads((out / "launch" / "ray_run.json").read_text())
+    assert run["world_size"] == 2 and len(run["nodes"]) == 2 and run["ray_address"] == address
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["embeddings_identical_across_ranks"] is True
+
+
+@pytest.mark.slow
+def test_a_cluster_without_cpus_for_the_workers_is_one_line(two_node_cluster, tmp_path):
+    address, env = two_node_cluster
+    done = run_cli("--ray_address", address, "--num_nodes", "2", "--nproc_per_node", "2",
+                   "--threads_per_process", "1", out=tmp_path / "out", timeout=120, **env)  # fmt: skip
+    assert done.returncode == 2
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: --nproc_per_node 2 x 1 thread(s) on --num_nodes 2 needs 2 node(s) with 2 CPUs each; the cluster has 0 ("
+    )
+
+
+@pytest.mark.slow
+def test_a_cluster_of_another_ray_version_is_one_line(two_node_cluster, tmp_path):
+    """The cluster's recorded version is changed (as a head started by another Ray would record it):
+    Ray's own check refuses the driver, and the launcher says so in one line."""
+    address, env = two_node_cluster
+    script = (
+        "import json, ray\nfrom ray.experimental import internal_kv as kv\n"
+        f"ray.init(address={address!r}, logging_level='ERROR')\n"
+        "old = kv._internal_kv_get('CLUSTER_METADATA', namespace='cluster')\n"
+        "meta = json.loads(old); meta['ray_version'] = '2.59.0'\n"
+        "kv._internal_kv_put('CLUSTER_METADATA', json.dumps(meta), overwrite=True, namespace='cluster')\n"
+        "print(old.decode())\n"
+    )
+    fake = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert fake.returncode == 0, fake.stderr[-2000:]
+    original = fake.stdout.strip().splitlines()[-1]
+    try:
+        done = run_cli("--ray_address", address, "--nproc_per_node", "1", "--threads_per_process", "1",
+                       out=tmp_path / "out", timeout=120, **env)  # fmt: skip
+    finally:
+        restore = (
+            script.split("old = ")[0]
+            + f"kv._internal_kv_put('CLUSTER_METADATA', {original!r}, overwrite=True, namespace='cluster')\n"
+        )
+        subprocess.run([sys.executable, "-c", restore], capture_output=True, env=env, timeout=120)
+    assert done.returncode == 2
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: --ray_address {address}: the cluster runs another Ray or Python than this environment (Ray "
+    )
+    assert "2.59.0" in errors[0] and errors[0].endswith("install the same versions on every node and here "
+                                                        "(make setup), then restart Ray")  # fmt: skip
+
+
+# --- the Azure cluster's Ray (rendered; real VMs cannot be tested here) ------------------------------------
+
+
+def test_cloud_init_starts_ray_on_every_node_bound_to_its_private_address():
+    import shlex
+    import shutil
+
+    import yaml
+
+    from helpers import azure
+    from helpers.azure import provision
+
+    spec = azure.ClusterSpec(ssh_source_cidr="203.0.113.7/32", node_count=3)
+    ray = "/home/azureuser/workshop/.venv/bin/ray"
+    cores = (
+        "--num-cpus=$(lscpu -p=Core,Socket | grep -v '^#' | sort -u | wc -l) --disable-usage-stats --block"
+    )
+    assert provision.ray_start_commands(spec) == {
+        "sdw-head": f"{ray} start --head --port=6379 --include-dashboard=false --node-ip-address=10.42.1.4 {cores}",
+        "sdw-worker-1": f"{ray} start --address=10.42.1.4:6379 --node-ip-address=10.42.1.5 {cores}",
+        "sdw-worker-2": f"{ray} start --address=10.42.1.4:6379 --node-ip-address=10.42.1.6 {cores}",
+    }
+    # every flag is one Ray's own parser knows
+    help_text = subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--help"],
+                               capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    for command in provision.ray_start_commands(spec).values():
+        for flag in [w.split("=")[0] for w in shlex.split(command.split(" $(")[0]) if w.startswith("--")]:
+            assert f"{flag} " in help_text or f"{flag}=" in help_text or f"{flag}\n" in help_text, flag
+    config = yaml.safe_load(azure.cloud_init(spec))
+    script, unit = (f["content"] for f in config["write_files"])
+    assert [f["path"] for f in config["write_files"]] == [
+        "/usr/local/bin/workshop-ray-start",
+        "/etc/systemd/system/workshop-ray.service",
+    ]
+    for name, ip in zip(spec.node_names, spec.node_ips, strict=True):
+        assert f"  {ip}) exec {provision.ray_start_commands(spec)[name]} ;;\n" in script
+    assert "export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled\n" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid bash
+    assert "ExecStart=/usr/local/bin/workshop-ray-start\n" in unit
+    assert f"ExecStopPost={ray} stop --force\n" in unit and "Restart=on-failure\n" in unit
+    assert config["runcmd"][1] == ["systemctl", "enable", "--now", "workshop-ray.service"]
+    # the pinned Ray is installed by make setup, from requirements.txt, on every node
+    requirements = (Path(__file__).parents[1] / "requirements.txt").read_text().splitlines()
+    assert f"ray[train]=={ray_launch.ray_version()}" in requirements
+    assert "make -C workshop setup" in config["runcmd"][0][-1]
+    # Ray's ports are reachable only inside the subnet: the NSG allows intra-subnet and SSH only
+    rules = [c.argv for c in azure.plan(spec) if c.argv[:4] == ("network", "nsg", "rule", "create")]
+    allowed = [(a[a.index("--source-address-prefixes") + 1], a[a.index("--destination-port-ranges") + 1])
+               for a in rules if a[a.index("--access") + 1] == "Allow"]  # fmt: skip
+    assert allowed == [("203.0.113.7/32", "22"), ("10.42.1.0/24", "*")]
+    assert shutil.which("bash")
+
+
+def test_preflight_names_a_node_with_another_ray(tmp_path):
+    """Two "nodes" reached through a stand-in for ssh; node1's Python sees a Ray 2.59.0 first."""
+    from helpers import data
+
+    dist_info = tmp_path / "site" / "ray-2.59.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: ray\nVersion: 2.59.0\n")
+    ssh = tmp_path / "ssh"
+    ssh.write_text(
+        '#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done\n'
+        f'host=$1; shift\n[ "$host" = node1 ] && export PYTHONPATH={tmp_path / "site"}\nexec sh -c "$*"\n'
+    )
+    ssh.chmod(0o755)
+    layout = d.ClusterLayout(("node0", "node1"), 1, main_process_ip="127.0.0.1", main_process_port=d.free_port(),
+                             threads_per_process=1)  # fmt: skip
+    problems = d.preflight(layout, data.sample_concept_dir(), ssh=(str(ssh),))
+    assert [(p.host, p.check, p.detail) for p in problems] == [
+        ("node1", "packages", f"ray 2.59.0, here {ray_launch.ray_version()}")
+    ]
