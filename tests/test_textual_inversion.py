@@ -412,6 +412,33 @@ def test_bad_inputs_fail_before_loading_weights(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+def test_cli_has_the_one_shape_and_input_errors_are_one_line(tmp_path, capsys):
+    import inspect
+
+    from helpers import train as train_module
+    from helpers.errors import InputError
+
+    assert issubclass(ti.TrainingInputError, InputError)
+    assert list(inspect.signature(train_module.parse_args).parameters) == ["argv"]
+    assert list(inspect.signature(train_module.main).parameters) == ["args"]
+    assert list(inspect.signature(train_module.cli).parameters) == ["argv"]
+    common = ["--pretrained_model_name_or_path", "tiny", "--resolution", "64"]
+    common += ["--output_dir", str(tmp_path / "out")]
+    missing = tmp_path / "missing"
+    assert train_module.cli([*common, "--train_data_dir", str(missing)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and str(missing) in err[0]
+    assert (
+        train_module.cli(
+            [*common, "--train_data_dir", str(data.sample_concept_dir()), "--placeholder_token", "toy"]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "already in the tokenizer" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_cli_command_from_the_issue(tmp_path):
     out = tmp_path / "out"

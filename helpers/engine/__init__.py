@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from helpers.errors import InputError
 
-class TrainingInputError(ValueError):
+
+class TrainingInputError(InputError):
     """A problem with the inputs of a run, found before any heavy work; the message says the fix."""

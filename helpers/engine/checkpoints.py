@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from helpers import files
 from helpers.engine import TrainingInputError
-from helpers.engine.saving import replace_dir, save_learned_embeds, write_json
+from helpers.engine.saving import save_learned_embeds, write_json
 from helpers.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS
 
 _NAME = re.compile(r"checkpoint-(\d+)")
@@ -66,7 +67,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         save_learned_embeds(tmp / LEARNED_EMBEDS, config.placeholder_token, vectors)
         write_json(Path(output_dir) / HISTORY_PARTIAL, history)
-        replace_dir(tmp, final)
+        files.move_dir_into_place(tmp, final)
     accelerator.wait_for_everyone()
     return final
 

@@ -4,46 +4,31 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 
-from helpers import supervise
+from helpers import files, supervise
 from helpers.engine.rows import write_rows
-from helpers.files import write_text_atomic
 
 if TYPE_CHECKING:
     from helpers.engine.setup import Run
 
 
 def save_learned_embeds(path: str | os.PathLike, placeholder_token: str, vectors: torch.Tensor) -> Path:
-    """Write ``{placeholder_token: [num_vectors, hidden]}``, the format ``load_textual_inversion`` reads."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({placeholder_token: vectors.detach().float().cpu().contiguous()}, str(tmp))
-    os.replace(tmp, path)
-    return path
+    """Write ``{placeholder_token: [num_vectors, hidden]}``, the format ``load_textual_inversion`` reads.
+
+    Atomically (:func:`helpers.files.write_path_atomic`): the file is complete or absent.
+    """
+    state = {placeholder_token: vectors.detach().float().cpu().contiguous()}
+    return files.write_path_atomic(path, lambda tmp: save_file(state, str(tmp)))
 
 
-def write_json(path: Path, value: Any) -> None:
+def write_json(path: str | os.PathLike, value: Any) -> Path:
     """Write ``value`` as JSON, atomically."""
-    write_text_atomic(path, json.dumps(value, indent=2))
-
-
-def replace_dir(tmp: Path, dest: Path) -> None:
-    if dest.exists():
-        shutil.rmtree(dest)
-    os.rename(tmp, dest)
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return files.write_text_atomic(path, json.dumps(value, indent=2))
 
 
 def _sampling_pipeline(run: Run):
@@ -82,11 +67,14 @@ def save_samples(run: Run, dest: Path) -> list[Path]:
         unet.train(was_training[0])
         text_encoder.train(was_training[1])
         run.hook.learned = learned
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=_mkdir(dest.parent)))
-    for i, image in enumerate(images):
-        image.save(tmp / f"{i:02d}.png")
-    replace_dir(tmp, dest)
-    return [dest / f"{i:02d}.png" for i in range(len(images))]
+    names = [f"{i:02d}.png" for i in range(len(images))]
+
+    def fill(folder: Path) -> None:
+        for name, image in zip(names, images, strict=True):
+            image.save(folder / name)
+
+    files.replace_dir_atomic(dest, fill)
+    return [dest / name for name in names]
 
 
 def _beat(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
@@ -110,10 +98,4 @@ def save_full_pipeline(run: Run, dest: Path) -> Path:
         requires_safety_checker=False,
         **unet,
     )
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=_mkdir(dest.parent)))
-    try:
-        base.save_pretrained(tmp, safe_serialization=True)
-        replace_dir(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return files.replace_dir_atomic(dest, lambda tmp: base.save_pretrained(tmp, safe_serialization=True))
