@@ -277,12 +277,13 @@ def learned(out: Path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory) -> dict[str, Path]:
-    """The same steps: through mpirun (2 x batch 1), torchrun (2 x batch 1), one process (batch 2);
-    and 2 x batch 1 x 2 accumulated micro-batches (mpirun) against one process with batch 4."""
+    """The same steps: through mpirun (2 x batch 1), torchrun (2 x batch 1), Ray Train (2 workers x
+    batch 1), one process (batch 2); and 2 x batch 1 x 2 accumulated micro-batches (mpirun) against
+    one process with batch 4."""
     pytest.importorskip("helpers.train")
     root = tmp_path_factory.mktemp("engine")
     runs = {}
-    for name, launcher, accumulation in [("mpirun", "mpirun", 1), ("torchrun", "torchrun", 1),
+    for name, launcher, accumulation in [("mpirun", "mpirun", 1), ("torchrun", "torchrun", 1), ("ray", "ray", 1),
                                          ("mpirun_accumulated", "mpirun", 2)]:  # fmt: skip
         out = root / name
         layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
@@ -298,7 +299,7 @@ def engine_runs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun", "ray"])
 def test_two_ranks_train_and_end_bitwise_identical(engine_runs, launcher):
     summary = json.loads((engine_runs[launcher] / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == STEPS
@@ -330,9 +331,28 @@ def test_two_processes_batch_1_equal_one_process_batch_2(engine_runs):
     single, two = learned(engine_runs["single"]), learned(engine_runs["mpirun"])
     torch.testing.assert_close(two, single, rtol=0, atol=2e-5)
     torch.testing.assert_close(learned(engine_runs["torchrun"]), two, rtol=0, atol=2e-5)
+    assert losses["ray"] == pytest.approx(losses["single"], rel=1e-5)  # Ray Train workers: the same update
+    torch.testing.assert_close(learned(engine_runs["ray"]), single, rtol=0, atol=2e-5)
+    torch.testing.assert_close(learned(engine_runs["ray"]), two, rtol=0, atol=2e-5)
     encoder = CLIPTextModel.from_pretrained(models.resolve_model("tiny"), subfolder="text_encoder")
     start = encoder.get_input_embeddings().weight[5988].detach()  # "toy", the initializer token
     assert (single.reshape(-1) - start).abs().max() > 5e-4  # the runs moved it by more than one step
+
+
+@pytest.mark.slow
+def test_the_ray_driver_reports_what_the_engine_wrote(engine_runs):
+    """The driver's record (<work_dir>/ray_run.json): the steps reported through ray.train.report
+    with the loss rank 0's bar showed (4 decimals), the engine's exact history, the start-up times."""
+    out = engine_runs["ray"]
+    run = json.loads((out / "launch" / "ray_run.json").read_text())
+    history = json.loads((out / "history.json").read_text())
+    assert run["history"] == history and run["summary"] == json.loads((out / "run_summary.json").read_text())
+    assert run["world_size"] == 2 and run["threads_per_process"] == 1 and len(run["nodes"]) == 1
+    steps = [r["step"] for r in run["reports"]]
+    assert steps[0] == 1 and steps[-1] == STEPS and steps == sorted(set(steps))  # first, last, none twice
+    for report in run["reports"]:
+        assert report["loss"] == pytest.approx(history[report["step"] - 1]["loss"], abs=5e-5)
+    assert run["startup"]["ray_init_seconds"] > 0 and run["startup"]["workers_started_seconds"] > 0
 
 
 def history_losses(out: Path) -> list[float]:
@@ -371,6 +391,17 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
     assert (
         r["concept_score"] >= 0.7
     )  # the cluster run learned Pip too (the judge's mean probability, 8 pictures)
+    # the Ray section: the same training through Ray Train workers (a private runtime here)
+    assert r["ray_world_size"] == 2 and r["ray_embeddings_identical_across_ranks"] is True
+    assert r["ray_images_per_second"] > 0
+    assert r["ray_reported_steps"][0] == 1 and r["ray_reported_steps"][-1] == 200
+    assert (
+        r["ray_startup_seconds"]["ray_init_seconds"] > 0
+        and r["ray_startup_seconds"]["workers_started_seconds"] > 0
+    )
+    assert "-m helpers.ray_launch --nproc_per_node 2 --num_nodes 1 " in r["ray_command"]
+    assert "--ray_address" not in r["ray_command"]
+    assert (notebook_run_dir / "outputs" / "pip-toyworld-mpirun-ray" / "learned_embeds.safetensors").is_file()
 
 
 # --- supervision to the end ---------------------------------------------------------------------------
