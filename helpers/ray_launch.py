@@ -641,6 +641,12 @@ def ray_version() -> str:
     return metadata.version("ray")
 
 
+def read_run(work_dir: str | os.PathLike) -> dict:
+    """What the driver of a finished Ray job recorded (``<work_dir>/ray_run.json``): the reports,
+    ``startup`` (``ray_init_seconds``, ``workers_started_seconds``), the nodes, the engine's summary."""
+    return json.loads((Path(work_dir) / RUN_FILE).read_text())
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The driver's options (set by :func:`driver_command`), then ``--`` and the training flags."""
     argv = list(sys.argv[1:] if argv is None else argv)

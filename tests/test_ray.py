@@ -266,7 +266,8 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
     assert result.error.startswith(f"the launcher reports failed on node {host} (pid {pid}): ")
     first, *rest = result.message().splitlines()
     assert first.startswith("rank 1 failed (exit code 1, after ")
-    assert rest[0] == "last lines of rank 1:" and rest[1].startswith(f"  {ray_launch.WORKER_TAG} rank 1 of 2")
+    assert rest[0] == "last lines of rank 1:"
+    assert any(line.startswith(f"  {ray_launch.WORKER_TAG} rank 1 of 2, pid {pid}") for line in rest[1:])
     assert not (out / "run_summary.json").exists()
     assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]
     assert ray_processes() <= before
