@@ -33,7 +33,13 @@ from tqdm.auto import tqdm
 from helpers import cpu, data, faults, models, supervise
 from helpers.config import TrainConfig
 from helpers.engine import TrainingInputError
-from helpers.engine.checkpoints import list_checkpoints, load_history, resolve_checkpoint, save_checkpoint
+from helpers.engine.checkpoints import (
+    checkpoint_step,
+    list_checkpoints,
+    load_history,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from helpers.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
@@ -56,7 +62,15 @@ from helpers.engine.step import (
     sample_generator,
     training_step,
 )
-from helpers.outputs import HISTORY, LEARNED_EMBEDS, PIPELINE_DIR, SAMPLES, SUMMARY, TRAIN_CONFIG
+from helpers.outputs import (
+    HISTORY,
+    HISTORY_PARTIAL,
+    LEARNED_EMBEDS,
+    PIPELINE_DIR,
+    SAMPLES,
+    SUMMARY,
+    TRAIN_CONFIG,
+)
 
 __all__ = [
     "HISTORY",
@@ -74,6 +88,8 @@ __all__ = [
     "cache_latents",
     "check_gradient_reaches",
     "check_inputs",
+    "check_not_past_the_end",
+    "checkpoint_step",
     "check_tokens",
     "diffusion_loss",
     "draw_batch",
@@ -122,8 +138,30 @@ def check_inputs(config: TrainConfig, tokenizer) -> list[Path]:
             f"Fix: choose another output_dir, or pass --overwrite_output_dir to replace it."
         )
     if config.resume_from_checkpoint:
-        resolve_checkpoint(output_dir, config.resume_from_checkpoint)
+        ckpt = resolve_checkpoint(output_dir, config.resume_from_checkpoint)
+        if config.max_train_steps is not None:
+            check_not_past_the_end(ckpt, config.max_train_steps)
     return images
+
+
+def check_not_past_the_end(ckpt: Path, max_steps: int) -> None:
+    """Refuse to resume a checkpoint saved after the run's last step.
+
+    A checkpoint at the last step is fine (the run writes its outputs without training); one past
+    it holds rows trained longer than this run may train, so it is refused rather than reported
+    as a shorter run.
+
+    Raises:
+        TrainingInputError: with the two fixes.
+    """
+    step = checkpoint_step(ckpt)
+    if step > max_steps:
+        earlier = [p.name for p in list_checkpoints(ckpt.parent.parent) if checkpoint_step(p) <= max_steps]
+        raise TrainingInputError(
+            f"resume_from_checkpoint {ckpt} was saved at step {step}, after this run's last step "
+            f"(max_train_steps={max_steps}). Fix: pass --max_train_steps {step} or more to continue from it"
+            + (f", or resume an earlier checkpoint ({', '.join(earlier)})." if earlier else ".")
+        )
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -140,7 +178,8 @@ def train(config: TrainConfig) -> TrainResult:
     run = setup_run(config, model_dir, tokenizer)
     start = resume(run)
     history = prepare_output_dir(run, start)
-    last = train_loop(run, start, history)
+    # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
+    last = train_loop(run, start, history) if start < run.max_steps else start
     return write_outputs(run, history, last)
 
 
@@ -150,8 +189,9 @@ def resume(run: Run) -> int:
     if not config.resume_from_checkpoint:
         return 0
     ckpt = resolve_checkpoint(run.output_dir, config.resume_from_checkpoint)
+    check_not_past_the_end(ckpt, run.max_steps)  # max_steps may come from num_train_epochs
     run.accelerator.load_state(str(ckpt))
-    step = int(ckpt.name.split("-")[1])
+    step = checkpoint_step(ckpt)
     logger.info(f"resumed from {ckpt} at step {step}", main_process_only=True)
     return step
 
@@ -293,6 +333,7 @@ def write_outputs(run: Run, history: list[dict], steps: int) -> TrainResult:
     if accelerator.is_main_process:
         save_learned_embeds(learned_path, config.placeholder_token, run.vectors)
         write_json(output_dir / HISTORY, history)
+        (output_dir / HISTORY_PARTIAL).unlink(missing_ok=True)  # history.json holds it all now
         if config.validation_prompt and config.num_validation_images:
             save_samples(run, output_dir / SAMPLES / "final")
         if pipeline_dir is not None:
