@@ -525,3 +525,23 @@ def test_preflight_names_a_node_with_another_ray(tmp_path):
     assert [(p.host, p.check, p.detail) for p in problems] == [
         ("node1", "packages", f"ray 2.59.0, here {ray_launch.ray_version()}")
     ]
+
+
+def test_bench_launchers_ratios_and_table():
+    from bench import launchers
+
+    rows = [
+        {"launcher": "mpirun", "status": "ok", "wall_seconds": 20.0, "images_per_second": 30.0},
+        {"launcher": "mpirun", "status": "ok", "wall_seconds": 22.0, "images_per_second": 32.0},
+        {"launcher": "ray", "status": "ok", "wall_seconds": 60.0, "images_per_second": 24.0,
+         "ray_init_seconds": 10.0, "workers_started_seconds": 30.0},
+        {"launcher": "ray", "status": "hung", "wall_seconds": 900.0},
+    ]  # fmt: skip
+    found = launchers.summarise(rows, ["ray", "mpirun"])
+    assert found["ray"]["images_per_second_vs_mpirun"] == 0.774  # 24 / 31
+    assert (found["ray"]["runs"], found["ray"]["ok"], found["ray"]["wall_seconds_median"]) == (2, 1, 480.0)
+    assert found["mpirun"]["images_per_second_range"] == [30.0, 32.0]
+    assert launchers.table(found).splitlines()[2:] == [
+        "| ray | 24.0 (24.0–24.0) | 0.77x | 480.0 | 10.0; 30.0 |",
+        "| mpirun | 31.0 (30.0–32.0) | 1.00x | 21.0 | – |",
+    ]
