@@ -37,6 +37,7 @@ from helpers.engine.checkpoints import (
     checkpoint_step,
     list_checkpoints,
     load_history,
+    prune_checkpoints,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "draw_sample_noise",
     "list_checkpoints",
     "placeholder_tokens_for",
+    "prune_checkpoints",
     "resolve_checkpoint",
     "sample_generator",
     "save_checkpoint",
@@ -334,6 +336,9 @@ def write_outputs(run: Run, history: list[dict], steps: int) -> TrainResult:
         save_learned_embeds(learned_path, config.placeholder_token, run.vectors)
         write_json(output_dir / HISTORY, history)
         (output_dir / HISTORY_PARTIAL).unlink(missing_ok=True)  # history.json holds it all now
+        kept = list_checkpoints(output_dir)
+        if kept:  # a run resumed at its end saved none, yet the limit holds when it finishes
+            prune_checkpoints(output_dir, keep=kept[-1], limit=config.checkpoints_total_limit)
         if config.validation_prompt and config.num_validation_images:
             save_samples(run, output_dir / SAMPLES / "final")
         if pipeline_dir is not None:

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from helpers import data
 from helpers import textual_inversion as ti
 from helpers.config import TrainConfig
+from helpers.engine import checkpoints
 from helpers.outputs import HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, SUMMARY
 
 STEPS = 4
@@ -94,6 +96,11 @@ def named(path_name: str, position: int = 0):
     return lambda *args, **kwargs: Path(args[position]).name == path_name
 
 
+def in_folder(folder_name: str, position: int = 0):
+    """``when`` for :func:`crash_when`: the argument at ``position`` is a path inside ``folder_name``."""
+    return lambda *args, **kwargs: Path(args[position]).parent.name == folder_name
+
+
 @dataclass(frozen=True)
 class Case:
     """One crash point: where the run stops, what the folder then holds, what the next run does."""
@@ -112,6 +119,29 @@ CASES = [
         lambda mp: crash_when(mp, ti, "save_learned_embeds", named(LEARNED_EMBEDS)),
         checkpoints=["checkpoint-2", "checkpoint-4"],
         trained_after=0,
+    ),
+    Case(
+        "checkpoint-4 write, limit 1: checkpoint-2 survives (rotation waits for the new one)",
+        lambda mp: crash_when(mp, checkpoints, "save_learned_embeds", in_folder(".checkpoint-4.tmp")),
+        checkpoints=["checkpoint-2"],
+        trained_after=2,
+        overrides={"checkpoints_total_limit": 1},
+    ),
+    Case(
+        "accelerate's state write of checkpoint-4, limit 1: checkpoint-2 survives",
+        lambda mp: crash_when(mp, Accelerator, "save_state", named(".checkpoint-4.tmp", position=1)),
+        checkpoints=["checkpoint-2"],
+        trained_after=2,
+        overrides={"checkpoints_total_limit": 1},
+    ),
+    Case(
+        "rotation, limit 1: checkpoint-4 is whole before checkpoint-2 goes",
+        lambda mp: crash_when(
+            mp, checkpoints, "prune_checkpoints", lambda *a, keep, limit: keep.name == "checkpoint-4"
+        ),
+        checkpoints=["checkpoint-2", "checkpoint-4"],
+        trained_after=0,
+        overrides={"checkpoints_total_limit": 1},
     ),
     Case(
         "after step 3: resumed from checkpoint-2, trains steps 3 and 4 again",
@@ -143,6 +173,8 @@ def test_crash_then_next_run(case: Case, reference, tmp_path, monkeypatch):
     summary = json.loads((out / SUMMARY).read_text())
     assert summary["steps"] == STEPS
     assert not (out / HISTORY_PARTIAL).exists()
+    limit = case.overrides.get("checkpoints_total_limit")
+    assert len(ti.list_checkpoints(out)) <= (limit or STEPS)
 
 
 def test_a_checkpoint_past_the_last_step_is_refused_before_loading(reference, tmp_path, monkeypatch):

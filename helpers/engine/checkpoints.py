@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -12,9 +13,10 @@ import torch
 from helpers import files
 from helpers.engine import TrainingInputError
 from helpers.engine.saving import save_learned_embeds, write_json
-from helpers.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS
+from helpers.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, TRAIN_CONFIG
 
 _NAME = re.compile(r"checkpoint-(\d+)")
+_STATE_FILE = "random_states_0.pkl"  # accelerate's save_state writes it for rank 0, whatever was prepared
 
 
 def checkpoint_step(path: Path) -> int:
@@ -22,9 +24,22 @@ def checkpoint_step(path: Path) -> int:
     return int(_NAME.fullmatch(Path(path).name).group(1))
 
 
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a whole accelerate checkpoint (it holds rank 0's ``random_states_0.pkl``).
+
+    The engines fill a checkpoint under a hidden name and rename it when it is whole, so a folder
+    named ``checkpoint-N`` without this file was made some other way (e.g. by hand).
+    """
+    return (Path(path) / _STATE_FILE).is_file()
+
+
 def list_checkpoints(output_dir: Path) -> list[Path]:
-    """The checkpoints of a run, oldest first."""
-    found = [p for p in (Path(output_dir) / CHECKPOINTS).glob("checkpoint-*") if _NAME.fullmatch(p.name)]
+    """The complete checkpoints of a run, oldest first."""
+    found = [
+        p
+        for p in (Path(output_dir) / CHECKPOINTS).glob("checkpoint-*")
+        if _NAME.fullmatch(p.name) and is_complete(p)
+    ]
     return sorted(found, key=checkpoint_step)
 
 
@@ -32,7 +47,7 @@ def resolve_checkpoint(output_dir: Path, resume_from_checkpoint: str) -> Path:
     """The checkpoint folder ``resume_from_checkpoint`` names (``"latest"``: the run's newest).
 
     Raises:
-        TrainingInputError: there is no such checkpoint; the message says the fix.
+        TrainingInputError: there is no such complete checkpoint; the message says the fix.
     """
     if resume_from_checkpoint == "latest":
         found = list_checkpoints(output_dir)
@@ -48,28 +63,69 @@ def resolve_checkpoint(output_dir: Path, resume_from_checkpoint: str) -> Path:
             f"resume_from_checkpoint={resume_from_checkpoint!r} is not a checkpoint folder (…/checkpoints/checkpoint-N). "
             f"Fix: pass an existing checkpoint folder or 'latest'."
         )
+    if not is_complete(path):
+        raise TrainingInputError(
+            f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (no {_STATE_FILE}). "
+            f"Fix: pass a checkpoint the run saved, or 'latest'."
+        )
     return path
 
 
 def save_checkpoint(
     accelerator, config, output_dir: Path, step: int, vectors: torch.Tensor, history: list[dict]
 ) -> Path:
-    """Save a resumable checkpoint (accelerate state + embeddings), pruning old ones."""
-    final = Path(output_dir) / CHECKPOINTS / f"checkpoint-{step}"
-    tmp = final.with_name(f".{final.name}.tmp")
-    if accelerator.is_main_process and config.checkpoints_total_limit:
-        existing = list_checkpoints(output_dir)
-        # make room for the one about to be saved
-        for old in existing[: max(0, len(existing) - config.checkpoints_total_limit + 1)]:
-            shutil.rmtree(old)
+    """Save a resumable checkpoint ``checkpoint-{step}``, then prune the oldest beyond the limit.
+
+    Complete or absent: every process writes accelerate's state into ``.checkpoint-{step}.tmp`` (a
+    name all processes know); once all are done the main process adds the learned rows and the
+    run's settings, records the history so far (``history.json.partial``) and swaps the folder in
+    (:func:`helpers.files.move_dir_into_place`). Only then are old checkpoints removed, each
+    renamed aside first, so a crash at any moment leaves every checkpoint name whole.
+
+    Args:
+        accelerator: the run's accelerator (its prepared objects are saved).
+        config: the settings (``placeholder_token``, ``checkpoints_total_limit``; saved with ``to_yaml``).
+        output_dir: the run's folder.
+        step: the step just completed.
+        vectors: the learned rows.
+        history: the records so far.
+    """
+    root = Path(output_dir) / CHECKPOINTS
+    final = root / f"checkpoint-{step}"
+    tmp = root / f".{final.name}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed attempt left
+        root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's random states are in before the swap
     if accelerator.is_main_process:
         save_learned_embeds(tmp / LEARNED_EMBEDS, config.placeholder_token, vectors)
+        if hasattr(config, "to_yaml"):
+            config.to_yaml(tmp / TRAIN_CONFIG)
         write_json(Path(output_dir) / HISTORY_PARTIAL, history)
         files.move_dir_into_place(tmp, final)
+        prune_checkpoints(output_dir, keep=final, limit=config.checkpoints_total_limit)
     accelerator.wait_for_everyone()
     return final
+
+
+def prune_checkpoints(output_dir: Path, keep: Path, limit: int | None) -> list[Path]:
+    """Delete the oldest checkpoints so that at most ``limit`` remain, never ``keep``; return the deleted.
+
+    Each is renamed to a hidden name before it is deleted: a crash while deleting leaves a hidden
+    leftover, never a half-deleted checkpoint under its checkpoint name.
+    """
+    if not limit:
+        return []
+    others = [c for c in list_checkpoints(output_dir) if c != keep]
+    doomed = others[: max(0, len(others) + 1 - limit)]
+    for old in doomed:
+        aside = old.with_name(f".{old.name}.deleting")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(old, aside)
+        shutil.rmtree(aside)
+    return doomed
 
 
 def load_history(output_dir: Path, upto_step: int) -> list[dict]:
