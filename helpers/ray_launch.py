@@ -457,9 +457,9 @@ def _connect(args: argparse.Namespace) -> _Runtime:
         text = " ".join(str(err).split())
         if "Version mismatch" in text:
             raise RayLaunchError(
-                f"--ray_address {args.ray_address}: the cluster runs another Ray or Python than this "
-                f"environment (Ray {ray.__version__}, Python {sys.version.split()[0]}): {_mismatch(text)}; "
-                "install the same versions on every node and here (make setup), then restart Ray"
+                f"--ray_address {args.ray_address}: the cluster runs {_cluster_versions(text)}, this environment "
+                f"Ray {ray.__version__} / Python {sys.version.split()[0]}; install the same versions on every "
+                "node and here (make setup), then restart Ray"
             ) from None
         if args.ray_address == "auto":
             raise RayLaunchError(
@@ -471,9 +471,10 @@ def _connect(args: argparse.Namespace) -> _Runtime:
     return runtime
 
 
-def _mismatch(text: str) -> str:
-    m = re.search(r"(cluster was started with:.*?)(?:This process|$)", text)
-    return (m[1] if m else text).strip().rstrip(".")
+def _cluster_versions(text: str) -> str:
+    """``Ray 2.59.0 / Python 3.11.7`` from Ray's "Version mismatch: The cluster was started with: ..." """
+    m = re.search(r"cluster was started with: Ray: (\S+) Python: (\S+)", text)
+    return f"Ray {m[1]} / Python {m[2]}" if m else "another Ray or Python"
 
 
 def node_versions(timeout: float = 60.0) -> list[dict]:
