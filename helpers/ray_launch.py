@@ -12,10 +12,10 @@ grace and stall limits stop the driver's whole process tree if anything hangs.
 
 The driver
 
-* starts a private Ray runtime on this machine (no ``--ray_address``: loopback only, dashboard
-  and usage statistics off, its temporary folder in a fresh ``/tmp/ray-*`` that is deleted at the
-  end, a one-run authentication token in the environment, never in ``~/.ray``), or joins the
-  cluster at ``--ray_address``;
+* starts a private Ray runtime on this machine (no ``--ray_address``: dashboard and usage
+  statistics off, its temporary folder a fresh ``/tmp/ray-*`` deleted at the end, token
+  authentication with a one-run token kept in the environment, never in ``~/.ray``; Ray binds
+  its node to this machine's address, it refuses loopback), or joins the cluster at ``--ray_address``;
 * checks, within seconds, what would otherwise hang or fail late: the cluster's Ray version
   against this one (Ray's own check, turned into one line), the Ray, torch and Python versions of
   every node, and enough CPUs for ``N x M`` workers of ``threads_per_process`` CPUs each;
@@ -398,36 +398,31 @@ class _Runtime:
     temp_dir: Path | None = None  # a private runtime's folder
     init_seconds: float = 0.0
 
-    def stop(self) -> None:
-        """``ray.shutdown()`` (bounded), then kill what is left of a private runtime, then its folder."""
+    def stop(self, graceful: bool = True) -> None:
+        """``ray.shutdown()`` (bounded; skipped when not ``graceful``: helpers.launch sends KILL 5 s
+        after TERM), then kill what is left of a private runtime, then remove its folder."""
         import psutil
-        import ray
 
         # found first: once the raylet is gone, the workers it started are no longer our descendants
         started = psutil.Process().children(recursive=True) if self.address is None else []
-        done = threading.Event()
+        if graceful and "ray" in sys.modules:
+            import ray
 
-        def shutdown() -> None:
-            with contextlib.suppress(Exception):
-                ray.shutdown()
-            done.set()
+            done = threading.Event()
 
-        threading.Thread(target=shutdown, daemon=True).start()
-        if not done.wait(SHUTDOWN_SECONDS):
-            print(f"helpers.ray_launch: ray.shutdown() did not return within {SHUTDOWN_SECONDS:g} s; "  # noqa: T201
-                  "ending the runtime's processes", flush=True)  # fmt: skip
+            def shutdown() -> None:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                done.set()
+
+            threading.Thread(target=shutdown, daemon=True).start()
+            if not done.wait(SHUTDOWN_SECONDS):
+                print(f"helpers.ray_launch: ray.shutdown() did not return within {SHUTDOWN_SECONDS:g} s; "  # noqa: T201
+                      "ending the runtime's processes", flush=True)  # fmt: skip
         if self.address is None:
             kill_processes([*started, *psutil.Process().children(recursive=True)])
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def kill_descendants(wait: float = 5.0) -> None:
-    """SIGKILL every process this one started, directly or not (a private runtime: gcs_server,
-    raylet, workers), found before any is signalled."""
-    import psutil
-
-    kill_processes(psutil.Process().children(recursive=True), wait)
 
 
 def kill_processes(procs: list, wait: float = 5.0) -> None:
@@ -440,17 +435,23 @@ def kill_processes(procs: list, wait: float = 5.0) -> None:
     psutil.wait_procs(procs, timeout=wait)
 
 
-def _connect(args: argparse.Namespace) -> _Runtime:
-    """Start a private runtime or join ``--ray_address``; the version check is Ray's own."""
+def _runtime(args: argparse.Namespace) -> _Runtime:
+    """What this driver will use: ``--ray_address``, or a private runtime in a fresh ``/tmp/ray-*``
+    (short: Ray's socket paths must stay under 108 characters)."""
+    if args.ray_address is None:
+        return _Runtime(None, Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")))
+    return _Runtime(args.ray_address)
+
+
+def _connect(args: argparse.Namespace, runtime: _Runtime) -> None:
+    """Start the private runtime or join ``--ray_address``; the version check is Ray's own."""
     import ray
 
     start = time.monotonic()
-    if args.ray_address is None:
-        runtime = _Runtime(None, Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")))  # short: socket paths
-        kwargs = dict(num_cpus=local_cpus(), _temp_dir=str(runtime.temp_dir), _node_ip_address="127.0.0.1",
-                      object_store_memory=256 * 2**20)  # fmt: skip
+    if runtime.temp_dir is not None:
+        kwargs = dict(num_cpus=local_cpus(), _temp_dir=str(runtime.temp_dir), object_store_memory=256 * 2**20)
     else:
-        runtime, kwargs = _Runtime(args.ray_address), {"address": args.ray_address}
+        kwargs = {"address": args.ray_address}
     try:
         ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True, **kwargs)
     except (ConnectionError, RuntimeError) as err:
@@ -468,7 +469,7 @@ def _connect(args: argparse.Namespace) -> _Runtime:
             ) from None
         raise
     runtime.init_seconds = time.monotonic() - start
-    return runtime
+    signal.signal(signal.SIGTERM, _interrupt)  # ray.init put its own (sys.exit) in place of ours
 
 
 def _cluster_versions(text: str) -> str:
@@ -676,29 +677,31 @@ def main(args: argparse.Namespace) -> int:
     if args.ray_address is None:  # a private runtime: a token for this run only, nothing in ~/.ray
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     signal.signal(signal.SIGTERM, _interrupt)  # helpers.launch stops a job with TERM: clean up first
-    runtime = None
-    watchdog = threading.Timer(INIT_SECONDS, _give_up, args=(f"Ray did not start within {INIT_SECONDS:g} s",))
+    runtime, graceful = _runtime(args), True
+    why = f"Ray did not start within {INIT_SECONDS:g} s"
+    watchdog = threading.Timer(INIT_SECONDS, _give_up, args=(why, runtime))
     watchdog.daemon = True
     watchdog.start()
     try:
-        runtime = _connect(args)
+        _connect(args, runtime)
         watchdog.cancel()
         return _train(args, runtime)
     except InputError as err:
         print(f"error: {err}", flush=True)  # noqa: T201 - the launcher reports this one line
         return 2
+    except KeyboardInterrupt as stop:  # Ctrl-C, or TERM from helpers.launch: end everything now
+        graceful = False
+        print(f"helpers.ray_launch: stopped ({stop or 'interrupt'}); ending Ray", flush=True)  # noqa: T201
+        return 130
     finally:
         watchdog.cancel()
-        if runtime is not None:
-            runtime.stop()
-        else:
-            kill_descendants()
+        runtime.stop(graceful)
 
 
-def _give_up(why: str) -> None:
+def _give_up(why: str, runtime: _Runtime) -> None:
     """From the watchdog thread: say why, end what this process started, exit (no hang)."""
     print(f"helpers.ray_launch: {why}; stopping", flush=True)  # noqa: T201
-    kill_descendants()
+    runtime.stop(graceful=False)
     os._exit(1)
 
 

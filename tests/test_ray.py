@@ -27,6 +27,11 @@ from helpers import faults, launch, ray_launch, supervise
 RAY_PROCESSES = ("raylet", "gcs_server")
 
 
+def ray_temp_dirs() -> set[str]:
+    """Private runtimes' folders (helpers.ray_launch makes /tmp/ray-*)."""
+    return {str(p) for p in Path("/tmp").glob("ray-*")}
+
+
 def ray_processes() -> set[int]:
     """Pids of Ray's daemons and workers on this machine now."""
     found = set()
@@ -237,7 +242,7 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
     """Rank 1 is killed (SIGKILL) while training: the job ends within 60 s, the message names rank 1,
     its node and its last lines; run_summary.json is not written and nothing half-written is left;
     no raylet or gcs_server survives."""
-    before = ray_processes()
+    before, dirs = ray_processes(), ray_temp_dirs()
     out = tmp_path / "out"
     layout = d.ClusterLayout.local(2, threads_per_process=1)
     commands = launch.prepare_job(layout, train_args(out, steps=100_000), "ray")
@@ -270,7 +275,7 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
     assert any(line.startswith(f"  {ray_launch.WORKER_TAG} rank 1 of 2, pid {pid}") for line in rest[1:])
     assert not (out / "run_summary.json").exists()
     assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]
-    assert ray_processes() <= before
+    assert ray_processes() <= before and ray_temp_dirs() <= dirs
 
 
 @pytest.mark.slow
@@ -314,7 +319,7 @@ def test_a_rank_that_hangs_after_training_is_stopped_after_the_grace(tmp_path, m
     """Rank 0 writes every output, then hangs; rank 1's training function ends (finish() frees its
     lock). The launcher stops the Ray job after the grace and exits 0: the outputs are complete."""
     monkeypatch.setenv(faults.HANG_RANK, "0")
-    before = ray_processes()
+    before, dirs = ray_processes(), ray_temp_dirs()
     out = tmp_path / "out"
     layout = d.ClusterLayout.local(2, threads_per_process=1)
     commands = launch.prepare_job(layout, train_args(out), "ray")
@@ -324,8 +329,7 @@ def test_a_rank_that_hangs_after_training_is_stopped_after_the_grace(tmp_path, m
         "rank 0 did not end within 5 s of rank 1 exiting; helpers.launch stopped it. "
         f"Outputs complete: {out / 'run_summary.json'} was written."
     )
-    time.sleep(2)
-    assert ray_processes() <= before
+    assert ray_processes() <= before and ray_temp_dirs() <= dirs  # stopped by TERM: cleaned up before KILL
 
 
 # --- a Ray cluster of two nodes (two raylets on this machine) ---------------------------------------------
