@@ -41,6 +41,15 @@ from helpers.engine.checkpoints import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from helpers.engine.folder import (
+    OutputFolder,
+    check_checkpoint_matches,
+    check_output_dir,
+    checkpoint_settings,
+    clear_leftovers,
+    clear_run,
+    inspect_output_dir,
+)
 from helpers.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
@@ -88,8 +97,16 @@ __all__ = [
     "add_placeholder_tokens",
     "cache_latents",
     "check_gradient_reaches",
+    "CheckedInputs",
+    "OutputFolder",
+    "check_checkpoint_matches",
     "check_inputs",
+    "check_output_dir",
+    "clear_leftovers",
+    "clear_run",
+    "inspect_output_dir",
     "check_not_past_the_end",
+    "checkpoint_settings",
     "checkpoint_step",
     "check_tokens",
     "diffusion_loss",
@@ -124,26 +141,40 @@ class TrainResult:
     summary: dict = field(default_factory=dict)
 
 
-def check_inputs(config: TrainConfig, tokenizer) -> list[Path]:
-    """Every cheap check of a run, before model weights are loaded. Returns the image files."""
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What :func:`check_inputs` found: the images, the output folder's state, the checkpoint to resume."""
+
+    images: list[Path]
+    folder: OutputFolder
+    checkpoint: Path | None
+
+
+def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
+    """Every cheap check of a run, before any model is resolved or loaded.
+
+    The output folder (:func:`helpers.engine.folder.check_output_dir`), the images, the checkpoint
+    to resume (complete, of the same run, not past the last step) and, given the tokenizer, the tokens.
+
+    Raises:
+        TrainingInputError, helpers.data.ImageFolderError: one message with the fix.
+    """
     if config.train_data_dir is None:
         raise TrainingInputError(
             "train_data_dir is not set. Fix: pass a folder of 3-5 images of your concept, "
             f"or the bundled sample: --train_data_dir {data.sample_concept_dir()}"
         )
+    folder = check_output_dir(config)
     images = data.validate_image_folder(config.train_data_dir, min_size=config.resolution)
-    check_tokens(tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors)
-    output_dir = Path(config.output_dir)
-    if (output_dir / SUMMARY).exists() and not (config.overwrite_output_dir or config.resume_from_checkpoint):
-        raise TrainingInputError(
-            f"output_dir {output_dir} already holds a finished run ({SUMMARY}). "
-            f"Fix: choose another output_dir, or pass --overwrite_output_dir to replace it."
-        )
+    ckpt = None
     if config.resume_from_checkpoint:
-        ckpt = resolve_checkpoint(output_dir, config.resume_from_checkpoint)
+        ckpt = resolve_checkpoint(folder.path, config.resume_from_checkpoint)
+        check_checkpoint_matches(ckpt, config)
         if config.max_train_steps is not None:
             check_not_past_the_end(ckpt, config.max_train_steps)
-    return images
+    if tokenizer is not None:
+        check_tokens(tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors)
+    return CheckedInputs(images, folder, ckpt)
 
 
 def check_not_past_the_end(ckpt: Path, max_steps: int) -> None:
@@ -174,23 +205,22 @@ def train(config: TrainConfig) -> TrainResult:
     """
     from transformers import CLIPTokenizer
 
+    checked = check_inputs(config)  # the folder, images and checkpoint, before any model work
     model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
     tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
-    check_inputs(config, tokenizer)
+    check_tokens(tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors)
     run = setup_run(config, model_dir, tokenizer)
-    start = resume(run)
+    start = resume(run, checked.checkpoint)
     history = prepare_output_dir(run, start)
     # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
     last = train_loop(run, start, history) if start < run.max_steps else start
     return write_outputs(run, history, last)
 
 
-def resume(run: Run) -> int:
-    """Load the checkpoint the settings name, if any; return the step training continues after (0: none)."""
-    config = run.config
-    if not config.resume_from_checkpoint:
+def resume(run: Run, ckpt: Path | None) -> int:
+    """Load the checkpoint (if any) into the run; return the step training continues after (0: none)."""
+    if ckpt is None:
         return 0
-    ckpt = resolve_checkpoint(run.output_dir, config.resume_from_checkpoint)
     check_not_past_the_end(ckpt, run.max_steps)  # max_steps may come from num_train_epochs
     run.accelerator.load_state(str(ckpt))
     step = checkpoint_step(ckpt)
@@ -199,26 +229,23 @@ def resume(run: Run) -> int:
 
 
 def prepare_output_dir(run: Run, start: int) -> list[dict]:
-    """Make ``output_dir`` ready (the main process writes the settings); return the history so far."""
+    """Make ``output_dir`` ready; return the history so far (steps 1..``start``).
+
+    The main process removes what the settings replace (``overwrite_output_dir``: every file of
+    an earlier run; always: temporaries of killed writes, and the summary of a run resumed after
+    it finished, which is not finished again until its outputs are), then writes the settings.
+    """
     config, output_dir = run.config, run.output_dir
     if run.accelerator.is_main_process:
         if config.overwrite_output_dir and not config.resume_from_checkpoint:
-            _clear_previous_run(output_dir)
+            clear_run(output_dir)
+        else:
+            clear_leftovers(output_dir)
+        (output_dir / SUMMARY).unlink(missing_ok=True)
         output_dir.mkdir(parents=True, exist_ok=True)
         config.to_yaml(output_dir / TRAIN_CONFIG)
     run.accelerator.wait_for_everyone()
     return load_history(output_dir, start) if start else []
-
-
-def _clear_previous_run(output_dir: Path) -> None:
-    """Remove what an earlier run wrote (only the engine's own files, nothing else in the folder)."""
-    import shutil
-
-    for name in ("checkpoints", SAMPLES, PIPELINE_DIR):
-        shutil.rmtree(output_dir / name, ignore_errors=True)
-    for pattern in ("learned_embeds*.safetensors", f"{HISTORY}*", SUMMARY, TRAIN_CONFIG):
-        for path in output_dir.glob(pattern):
-            path.unlink()
 
 
 def _step_groups(loader: Iterable[dict], size: int) -> Iterator[list[dict]]:

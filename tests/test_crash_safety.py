@@ -19,10 +19,11 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from helpers import data
+from helpers import data, models
 from helpers import textual_inversion as ti
 from helpers.config import TrainConfig
 from helpers.engine import checkpoints
+from helpers.errors import InputError
 from helpers.outputs import HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, SUMMARY
 
 STEPS = 4
@@ -108,9 +109,10 @@ class Case:
     name: str
     crash: object  # (monkeypatch) -> None: installs the crash point in this process
     checkpoints: list[str]  # the complete checkpoints left behind
-    then: str = "resume"  # "resume" (latest) or "overwrite"
+    then: str = "resume"  # the next run: "resume" (latest) or "overwrite"
     trained_after: int = 0  # optimisation steps the next run takes
-    overrides: dict = field(default_factory=dict)
+    overrides: dict = field(default_factory=dict)  # settings of both runs
+    crashed: dict = field(default_factory=dict)  # settings of the crashed run only
 
 
 CASES = [
@@ -149,6 +151,14 @@ CASES = [
         checkpoints=["checkpoint-2"],
         trained_after=2,
     ),
+    Case(
+        "another run's folder (seed 1, stopped after step 3): --overwrite_output_dir starts over",
+        lambda mp: crash_when(mp, ti, "_periodic_saves", lambda run, step, history: step == 3),
+        checkpoints=["checkpoint-2"],
+        then="overwrite",
+        trained_after=STEPS,
+        crashed={"seed": 1},
+    ),
 ]
 
 
@@ -158,9 +168,24 @@ def test_crash_then_next_run(case: Case, reference, tmp_path, monkeypatch):
     with monkeypatch.context() as mp:
         case.crash(mp)
         with pytest.raises(Crash):
+            ti.train(config(out, **{**case.overrides, **case.crashed}))
+    folder = ti.inspect_output_dir(out)
+    assert folder.state == "interrupted" and not (out / SUMMARY).exists()  # never reported as finished
+    assert [p.name for p in folder.checkpoints] == case.checkpoints
+    assert folder.settings["seed"] == case.crashed.get("seed", 3)
+
+    # A fresh run into it refuses, naming the run and both choices, before any model loads.
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with monkeypatch.context() as mp:
+        mp.setattr(models, "load_components", lambda *a, **k: pytest.fail("weights were loaded"))
+        with pytest.raises(ti.TrainingInputError, match="holds an interrupted run") as err:
             ti.train(config(out, **case.overrides))
-    assert not (out / SUMMARY).exists()  # never reported as finished
-    assert [p.name for p in ti.list_checkpoints(out)] == case.checkpoints
+    message = str(err.value)
+    assert f"seed {case.crashed.get('seed', 3)}" in message and "--overwrite_output_dir" in message
+    assert (
+        f"last checkpoint {case.checkpoints[-1]}" in message and "--resume_from_checkpoint latest" in message
+    )
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing touched
 
     counter = Counter(monkeypatch)
     flag = {"resume": {"resume_from_checkpoint": "latest"}, "overwrite": {"overwrite_output_dir": True}}
@@ -172,19 +197,118 @@ def test_crash_then_next_run(case: Case, reference, tmp_path, monkeypatch):
     assert [h["loss"] for h in history] == pytest.approx([h["loss"] for h in reference.history], rel=1e-6)
     summary = json.loads((out / SUMMARY).read_text())
     assert summary["steps"] == STEPS
-    assert not (out / HISTORY_PARTIAL).exists()
-    limit = case.overrides.get("checkpoints_total_limit")
-    assert len(ti.list_checkpoints(out)) <= (limit or STEPS)
+    folder = ti.inspect_output_dir(out)
+    assert folder.state == "finished" and folder.leftovers == [] and not (out / HISTORY_PARTIAL).exists()
+    assert len(folder.checkpoints) <= (case.overrides.get("checkpoints_total_limit") or STEPS)
+    assert all(ti.checkpoint_settings(c)["seed"] == 3 for c in folder.checkpoints)  # none of another run
 
 
 def test_a_checkpoint_past_the_last_step_is_refused_before_loading(reference, tmp_path, monkeypatch):
     """checkpoint-4 of a 4-step run resumed with max_train_steps=2: it holds rows trained for 4
     steps, so a 2-step run refuses it (naming the fixes), before any model loads."""
-    from helpers import models
-
     monkeypatch.setattr(models, "load_components", lambda *a, **k: pytest.fail("weights were loaded"))
     ckpt = reference.output_dir / "checkpoints" / "checkpoint-4"
     with pytest.raises(ti.TrainingInputError, match="saved at step 4, after this run's last step") as err:
         ti.train(config(tmp_path / "out", max_train_steps=2, resume_from_checkpoint=str(ckpt)))
     assert "--max_train_steps 4 or more" in str(err.value) and "checkpoint-2" in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("seed", 4),
+        ("placeholder_token", "<other>"),
+        ("num_vectors", 2),
+        ("pretrained_model_name_or_path", "toyworld"),
+    ],
+)
+def test_resume_refuses_a_checkpoint_of_another_run(setting, value, reference, tmp_path, monkeypatch):
+    """Each setting that makes a checkpoint another run's is named, before any model loads."""
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("the model was resolved"))
+    ckpt = reference.output_dir / "checkpoints" / "checkpoint-2"
+    with pytest.raises(ti.TrainingInputError, match="belongs to another run") as err:
+        ti.train(config(tmp_path / "out", resume_from_checkpoint=str(ckpt), **{setting: value}))
+    theirs = getattr(config(tmp_path), setting)
+    assert f"{setting} {theirs!r} there, {value!r} here" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_into_a_folder_of_another_run_is_refused(reference, tmp_path, monkeypatch):
+    """The issue's case: a folder holding another run (seed 1) is never continued with a checkpoint
+    of this one; its history would mix two runs."""
+    out = tmp_path / "out"
+    with monkeypatch.context() as mp:
+        crash_when(mp, ti, "_periodic_saves", lambda run, step, history: step == 3)
+        with pytest.raises(Crash):
+            ti.train(config(out, seed=1))
+    ckpt = reference.output_dir / "checkpoints" / "checkpoint-2"
+    with pytest.raises(ti.TrainingInputError, match="holds another run than the one resumed") as err:
+        ti.train(config(out, resume_from_checkpoint=str(ckpt)))
+    assert "seed 1 there, 3 here" in str(err.value)
+    with pytest.raises(ti.TrainingInputError, match="seed 1 there, 3 here"):
+        ti.train(config(out, resume_from_checkpoint="latest"))  # its own checkpoint-2 is seed 1's
+
+
+def test_overwrite_removes_every_engine_leftover_and_nothing_else(reference, tmp_path):
+    """--overwrite_output_dir removes a killed run's files (hidden temporaries of every writer, a stale
+    checkpoint and its temporary, samples, partial history, step embeddings, half-moved pipeline
+    parts) and keeps what is not the engine's (the launcher's folder, a user's notes)."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(reference.output_dir / "checkpoints", out / "checkpoints")
+    (out / "checkpoints" / "checkpoint-4").rename(out / "checkpoints" / "checkpoint-20")
+    (out / "checkpoints" / ".checkpoint-22.tmp").mkdir()
+    for name in (
+        ".learned_embeds.123-0a1b2c3d.tmp.safetensors",
+        ".history.json.123-0a1b2c3d.tmp.partial",
+        ".run_summary.77-deadbeef.tmp.json",
+        ".train_config.5-00000000.tmp.yaml",
+        "history.json.partial",
+        "learned_embeds-steps-20.safetensors",
+        "train_config.yaml",
+        "notes.txt",
+    ):
+        (out / name).write_text("x")
+    for folder in (
+        ".pipeline.abc123",
+        ".unet.9-12345678.old",
+        "unet",
+        "text_encoder",
+        "samples/step-20",
+        "launch/status",
+    ):
+        (out / folder).mkdir(parents=True)
+    (out / "launch" / "status" / "rank0.json").write_text("{}")
+    folder = ti.inspect_output_dir(out)
+    assert folder.state == "interrupted" and len(folder.leftovers) == 7
+    result = ti.train(config(out, overwrite_output_dir=True))
+    assert torch.equal(embeds(out), embeds(reference.output_dir)) and result.summary["steps"] == STEPS
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoints",
+        "history.json",
+        "launch",
+        "learned_embeds.safetensors",
+        "notes.txt",
+        "run_summary.json",
+        "train_config.yaml",
+    ]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert (out / "notes.txt").read_text() == "x" and (out / "launch" / "status" / "rank0.json").is_file()
+
+
+@pytest.mark.parametrize("kind", ["file", "model"])
+def test_an_output_dir_that_cannot_hold_a_run_is_refused_before_loading(kind, tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("the model was resolved"))
+    out = tmp_path / "out"
+    if kind == "file":  # the settings' own check may find it first: either way one input error
+        out.write_text("x")
+        match = "is a file"
+    else:
+        out.mkdir()
+        (out / "model_index.json").write_text("{}")
+        match = "holds a diffusers model .* that no training run wrote"
+    with pytest.raises(InputError, match=match):
+        ti.train(config(out, overwrite_output_dir=True))
+    assert out.is_file() or sorted(p.name for p in out.iterdir()) == ["model_index.json"]

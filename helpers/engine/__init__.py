@@ -4,6 +4,8 @@
 * :mod:`~helpers.engine.step`: data order, cached latents, keyed random draws, the loss, and
   :func:`~helpers.engine.step.training_step`, one optimisation step (the benchmarks time this same one).
 * :mod:`~helpers.engine.setup`: from settings to a :class:`~helpers.engine.setup.Run` ready to train.
+* :mod:`~helpers.engine.folder`: the state of an output folder (empty, finished, interrupted),
+  read before any model loads; what ``--overwrite_output_dir`` removes.
 * :mod:`~helpers.engine.checkpoints`: resumable checkpoints: save, rotate, find, check.
 * :mod:`~helpers.engine.saving`: learned embeddings, JSON records, validation samples, the full pipeline.
 """
