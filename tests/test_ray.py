@@ -320,6 +320,8 @@ def test_a_rank_that_hangs_after_training_is_stopped_after_the_grace(tmp_path, m
     lock). The launcher stops the Ray job after the grace and exits 0: the outputs are complete."""
     monkeypatch.setenv(faults.HANG_RANK, "0")
     before, dirs = ray_processes(), ray_temp_dirs()
+    token = Path.home() / ".ray" / "auth_token"
+    had_token = token.exists()
     out = tmp_path / "out"
     layout = d.ClusterLayout.local(2, threads_per_process=1)
     commands = launch.prepare_job(layout, train_args(out), "ray")
@@ -330,6 +332,7 @@ def test_a_rank_that_hangs_after_training_is_stopped_after_the_grace(tmp_path, m
         f"Outputs complete: {out / 'run_summary.json'} was written."
     )
     assert ray_processes() <= before and ray_temp_dirs() <= dirs  # stopped by TERM: cleaned up before KILL
+    assert token.exists() == had_token  # the private runtime's token lived in the environment only
 
 
 # --- a Ray cluster of two nodes (two raylets on this machine) ---------------------------------------------
