@@ -27,7 +27,7 @@ def pinned_versions(files=REQUIREMENT_FILES) -> dict[str, str]:
     pins = {}
     for path in files:
         for line in Path(path).read_text().splitlines():
-            m = re.match(r"^\s*([A-Za-z0-9_.\-]+)==([^\s#;]+)", line)
+            m = re.match(r"^\s*([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^\s#;]+)", line)  # extras: ray[train]
             if m:
                 pins[m.group(1).lower()] = m.group(2)
     return pins

@@ -571,3 +571,12 @@ def test_bench_launchers_ratios_and_table():
         "| ray | 24.0 (24.0–24.0) | 0.77x | 480.0 | 10.0; 30.0 |",
         "| mpirun | 31.0 (30.0–32.0) | 1.00x | 21.0 | – |",
     ]
+
+
+def test_make_setup_checks_the_ray_pin():
+    """requirements.txt pins ray[train]; helpers.environment (run by make setup) reads the pin
+    with its extras and finds that version installed."""
+    from helpers import environment
+
+    assert environment.pinned_versions()["ray"] == ray_launch.ray_version() == "2.60.0"
+    assert not [p for p in environment.problems() if "ray" in p]
