@@ -354,6 +354,7 @@ class OursStep:
             scaling_factor=parts.vae.config.scaling_factor,
             seed=SEED,
             autocast=setup.autocast,
+            mixed_precision=setup.mixed_precision,
         )
         self.hook: ti.EmbeddingHook | None = None
 

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from helpers import cpu, data, faults, models, supervise
 from helpers.config import TrainConfig
-from helpers.engine import TrainingInputError
+from helpers.engine import TrainingDivergedError, TrainingInputError
 from helpers.engine.checkpoints import (
     checkpoint_step,
     list_checkpoints,
@@ -93,6 +93,7 @@ __all__ = [
     "Run",
     "StepParts",
     "TrainResult",
+    "TrainingDivergedError",
     "TrainingInputError",
     "add_placeholder_tokens",
     "cache_latents",
@@ -123,6 +124,7 @@ __all__ = [
     "setup_run",
     "train",
     "training_step",
+    "write_json",
     "write_rows",
 ]
 
@@ -260,11 +262,23 @@ def _step_groups(loader: Iterable[dict], size: int) -> Iterator[list[dict]]:
         yield group
 
 
+def _schedule(run: Run, start: int) -> Iterator[tuple[int, list[dict]]]:
+    """``(epoch, micro_batches)`` of each optimisation step after step ``start``, in order."""
+    accumulate = run.config.gradient_accumulation_steps
+    first_epoch = start // run.steps_per_epoch
+    skip = (start % run.steps_per_epoch) * accumulate  # micro-batches of this epoch already trained
+    for epoch in range(first_epoch, run.num_epochs):
+        run.sampler.epoch = epoch
+        loader = run.loader
+        if epoch == first_epoch and skip:
+            loader = run.accelerator.skip_first_batches(run.loader, skip)
+        for micro_batches in _step_groups(loader, accumulate):
+            yield epoch, micro_batches
+
+
 def train_loop(run: Run, start: int, history: list[dict]) -> int:
     """Train from step ``start`` to ``run.max_steps``, appending to ``history``; return the last step."""
-    config, accelerator = run.config, run.accelerator
-    step, first_epoch = start, start // run.steps_per_epoch
-    skip = (start % run.steps_per_epoch) * config.gradient_accumulation_steps
+    accelerator, step = run.accelerator, start
     progress = tqdm(
         total=run.max_steps,
         initial=step,
@@ -274,37 +288,28 @@ def train_loop(run: Run, start: int, history: list[dict]) -> int:
     )
     step_start = time.perf_counter()
     # Each step allocates and frees gigabytes; keeping freed memory avoids re-faulting it in (cpu.py).
-    with cpu.keep_freed_memory():
-        for epoch in range(first_epoch, run.num_epochs):
-            run.sampler.epoch = epoch
-            batches = (
-                accelerator.skip_first_batches(run.loader, skip)
-                if epoch == first_epoch and skip
-                else run.loader
+    # The bar is closed however the loop ends, so an error is printed on a line of its own.
+    with progress, cpu.keep_freed_memory():
+        for epoch, micro_batches in _schedule(run, start):
+            local_loss = training_step(run.parts, micro_batches, epoch, step + 1)
+            step += 1
+            loss = accelerator.reduce(torch.tensor(local_loss), reduction="mean").item()
+            history.append(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "lr": run.parts.lr_scheduler.get_last_lr()[0],
+                    "seconds": time.perf_counter() - step_start,
+                }
             )
-            for micro_batches in _step_groups(batches, config.gradient_accumulation_steps):
-                local_loss = training_step(run.parts, micro_batches, epoch, step + 1)
-                step += 1
-                loss = accelerator.reduce(torch.tensor(local_loss), reduction="mean").item()
-                history.append(
-                    {
-                        "step": step,
-                        "loss": loss,
-                        "lr": run.parts.lr_scheduler.get_last_lr()[0],
-                        "seconds": time.perf_counter() - step_start,
-                    }
-                )
-                progress.update(1)
-                progress.set_postfix(loss=f"{loss:.4f}")
-                supervise.beat("training", step)  # helpers.launch's stall detection
-                faults.stall_after_step(accelerator.process_index, step)  # test-only
-                _periodic_saves(run, step, history)
-                step_start = time.perf_counter()
-                if step >= run.max_steps:
-                    break
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}")
+            supervise.beat("training", step)  # helpers.launch's stall detection
+            faults.stall_after_step(accelerator.process_index, step)  # test-only
+            _periodic_saves(run, step, history)
+            step_start = time.perf_counter()
             if step >= run.max_steps:
                 break
-    progress.close()
     return step
 
 

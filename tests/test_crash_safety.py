@@ -312,3 +312,39 @@ def test_an_output_dir_that_cannot_hold_a_run_is_refused_before_loading(kind, tm
     with pytest.raises(InputError, match=match):
         ti.train(config(out, overwrite_output_dir=True))
     assert out.is_file() or sorted(p.name for p in out.iterdir()) == ["model_index.json"]
+
+
+def _flags(values: dict) -> list[str]:
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
+def test_a_diverging_run_stops_at_once_with_one_line_and_exit_2(tmp_path, capsys):
+    """--learning_rate 1e30: the step whose loss (or rows) stop being finite ends the run with one
+    line naming the step and the likely cause; checkpoints before it hold finite rows, nothing is
+    saved as a finished run, and what was written is strict JSON."""
+    from helpers import train as train_module
+
+    out = tmp_path / "out"
+    flags = _flags(settings(out, learning_rate=1e30, checkpointing_steps=1))
+    assert train_module.cli(flags) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: training diverged at step ")
+    step = int(errors[0].split("at step ")[1].split(":")[0])
+    assert 1 <= step <= STEPS and "is not finite" in errors[0]
+    assert "the learning rate 1e+30 is too high" in errors[0] and "--overwrite_output_dir" in errors[0]
+    folder = ti.inspect_output_dir(out)
+    assert folder.state == "interrupted" and not (out / LEARNED_EMBEDS).exists()
+    assert [ti.checkpoint_step(c) for c in folder.checkpoints] == list(range(1, step))
+    assert all(torch.isfinite(load_file(c / LEARNED_EMBEDS)["<dicoo>"]).all() for c in folder.checkpoints)
+    if step > 1:
+        strict = json.loads((out / HISTORY_PARTIAL).read_text(), parse_constant=pytest.fail)
+        assert [h["step"] for h in strict] == list(range(1, step))
+
+
+def test_json_records_are_strict(tmp_path):
+    path = tmp_path / "summary.json"
+    with pytest.raises(ValueError):
+        ti.write_json(path, {"final_loss": float("nan")})
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+    ti.write_json(path, {"final_loss": None, "steps": 4})
+    assert json.loads(path.read_text(), parse_constant=pytest.fail) == {"final_loss": None, "steps": 4}

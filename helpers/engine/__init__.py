@@ -17,3 +17,7 @@ from helpers.errors import InputError
 
 class TrainingInputError(InputError):
     """A problem with the inputs of a run, found before any heavy work; the message says the fix."""
+
+
+class TrainingDivergedError(InputError):
+    """The loss or the learned rows stopped being finite: a setting (learning rate, precision) must change."""

@@ -27,8 +27,12 @@ def save_learned_embeds(path: str | os.PathLike, placeholder_token: str, vectors
 
 
 def write_json(path: str | os.PathLike, value: Any) -> Path:
-    """Write ``value`` as JSON, atomically."""
-    return files.write_text_atomic(path, json.dumps(value, indent=2))
+    """Write ``value`` as strict JSON (no NaN or Infinity, which other readers reject), atomically.
+
+    Raises:
+        ValueError: ``value`` holds a non-finite float (a bug: a diverged run stops before writing).
+    """
+    return files.write_text_atomic(path, json.dumps(value, indent=2, allow_nan=False))
 
 
 def _sampling_pipeline(run: Run):

@@ -160,6 +160,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
         autocast=accelerator.autocast,
         backward=accelerator.backward,
         allreduce=counter if accelerator.num_processes > 1 else None,
+        mixed_precision=precision.mixed_precision,
     )
     return Run(
         config=config,

@@ -6,6 +6,7 @@ what the benchmarks measure.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import data, supervise
+from helpers.engine import TrainingDivergedError
 
 # --- data and latents --------------------------------------------------------------------------
 
@@ -185,6 +187,7 @@ class StepParts:
         backward: how to back-propagate a micro-batch's loss (``accelerator.backward`` divides it
             by the accumulation steps); plain ``loss.backward()`` by default.
         allreduce: averages the rows' gradient over the processes; None in one process (or under DDP).
+        mixed_precision: ``"no"`` or ``"bf16"``, named when a step diverges.
         gradient_checked: whether the first step's gradient was checked to reach the rows.
     """
 
@@ -201,6 +204,7 @@ class StepParts:
     autocast: Callable[[], AbstractContextManager] = nullcontext
     backward: Callable[[torch.Tensor], None] = _plain_backward
     allreduce: AllreduceCounter | None = None
+    mixed_precision: str = "no"
     gradient_checked: bool = False
 
     @property
@@ -217,6 +221,8 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
     ``parts.backward``. Then, with several processes, the learned rows' gradient is averaged by one
     synchronous all-reduce of ``num_vectors x hidden`` floats (the frozen matrix has no gradient);
     the first step checks the gradient reached the rows; then optimizer and scheduler step.
+    A loss, gradient or row that is not finite stops the run at once (all processes see the same
+    averaged gradient and rows, so all stop at the same step).
 
     Args:
         parts: the modules, rows, optimizer and latents.
@@ -227,6 +233,10 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
 
     Returns:
         The mean loss of this process's micro-batches.
+
+    Raises:
+        TrainingDivergedError: the loss, the rows' gradient or the rows are not finite; the
+            message names the step and the likely cause.
     """
     if not micro_batches:
         raise ValueError("training_step needs at least one micro-batch")
@@ -258,6 +268,11 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
         # a rank blocked here waits for a slower one; helpers.launch blames that one
         supervise.beat(supervise.WAITING, step)
         parts.allreduce.all_reduce_mean(vectors.grad)
+    bad = [x for x in losses if not math.isfinite(x)]
+    if bad:
+        raise diverged(parts, step, "the loss", bad[0])
+    if vectors.grad is not None and not torch.isfinite(vectors.grad).all():
+        raise diverged(parts, step, "the gradient of the learned rows", _first_bad(vectors.grad))
     if not parts.gradient_checked:
         check_gradient_reaches(vectors)
         parts.gradient_checked = True
@@ -265,7 +280,26 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
     if parts.lr_scheduler is not None:
         parts.lr_scheduler.step()
     parts.optimizer.zero_grad()
+    if not torch.isfinite(vectors).all():
+        raise diverged(parts, step, "the learned embeddings", _first_bad(vectors))
     return sum(losses) / len(losses)
+
+
+def _first_bad(tensor: torch.Tensor) -> float:
+    return tensor.detach()[~torch.isfinite(tensor.detach())].flatten()[0].item()
+
+
+def diverged(parts: StepParts, step: int, what: str, value: float) -> TrainingDivergedError:
+    """The error that stops a run whose ``what`` became ``value`` (inf or nan) at ``step``."""
+    lr = parts.optimizer.param_groups[0]["lr"]
+    causes = [f"the learning rate {lr:g} is too high (textual inversion trains well at 1e-4 to 5e-3)"]
+    if parts.mixed_precision == "bf16":
+        causes.append("bf16 precision (try --mixed_precision no)")
+    return TrainingDivergedError(
+        f"training diverged at step {step}: {what} is not finite ({value}). Likely cause: "
+        f"{' or '.join(causes)}. Nothing was saved as a finished run. Fix: lower --learning_rate and "
+        f"start again with --overwrite_output_dir (or resume a checkpoint saved before step {step})."
+    )
 
 
 def check_gradient_reaches(vectors: torch.Tensor) -> None:
