@@ -509,7 +509,9 @@ def check_args(args: argparse.Namespace) -> None:
         if args.ray_address:
             ray_launch.check_address(args.ray_address)
         else:
-            threads = args.threads_per_process or max(1, distributed.physical_cores() // (args.nproc_per_node or 1))
+            threads = args.threads_per_process or max(
+                1, distributed.physical_cores() // (args.nproc_per_node or 1)
+            )
             ray_launch.check_local_layout(args.nproc_per_node or 1, args.num_nodes or 1, threads)
     if args.network_interface:
         names = sorted(psutil.net_if_addrs())
