@@ -13,7 +13,9 @@ The layout of ``output_dir`` is that of diffusers' ``examples/textual_inversion/
       learned_embeds-steps-N.safetensors
       history.json                     per-step records (history.json.partial while running)
       learned_embeds.safetensors
-      pipeline/                        with --save_as_full_pipeline
+      model_index.json, text_encoder/, tokenizer/, unet/, vae/, scheduler/
+                                       with --save_as_full_pipeline: output_dir is itself a
+                                       diffusers pipeline folder (model_index.json written last)
       run_summary.json                 written last: the run is finished
 """
 
@@ -38,11 +40,13 @@ CHECKPOINTS = "checkpoints"
 """The folder of resumable checkpoints ``checkpoint-N``, in ``output_dir``."""
 SAMPLES = "samples"
 """The folder of validation images (``step-N/``, ``final/``), in ``output_dir``."""
-PIPELINE_DIR = "pipeline"
-"""The full fine-tuned diffusers pipeline (``--save_as_full_pipeline``), under ``output_dir``."""
 MODEL_INDEX = "model_index.json"
 """With ``--save_as_full_pipeline`` ``output_dir`` itself is a diffusers pipeline folder; this file,
 written after its components, says it is complete."""
+PIPELINE_DIR = "pipeline"
+"""A pipeline folder under ``output_dir``: DreamBooth's (:mod:`helpers.dreambooth`), and where
+textual-inversion runs wrote theirs before it moved into ``output_dir`` itself (the engine still
+removes such a folder with a run it replaces)."""
 PIPELINE_PARTS = (
     "text_encoder",
     "tokenizer",

@@ -58,7 +58,13 @@ from helpers.engine.rows import (
     placeholder_tokens_for,
     write_rows,
 )
-from helpers.engine.saving import save_full_pipeline, save_learned_embeds, save_samples, write_json
+from helpers.engine.saving import (
+    remove_full_pipeline,
+    save_full_pipeline,
+    save_learned_embeds,
+    save_samples,
+    write_json,
+)
 from helpers.engine.setup import Run, setup_run
 from helpers.engine.step import (
     AllreduceCounter,
@@ -76,7 +82,7 @@ from helpers.outputs import (
     HISTORY,
     HISTORY_PARTIAL,
     LEARNED_EMBEDS,
-    PIPELINE_DIR,
+    MODEL_INDEX,
     SAMPLES,
     SUMMARY,
     TRAIN_CONFIG,
@@ -133,7 +139,17 @@ logger = get_logger(__name__)
 
 @dataclass
 class TrainResult:
-    """What a finished run produced."""
+    """What a finished run produced.
+
+    Attributes:
+        output_dir: the run's folder.
+        learned_embeds_path: ``output_dir/learned_embeds.safetensors``.
+        pipeline_dir: ``output_dir`` itself when the full pipeline was saved into it
+            (``save_as_full_pipeline``), else None.
+        placeholder_tokens: the tokens learned (``<tok>``, ``<tok>_1``, ...).
+        history: one record per step (step, loss, lr, seconds).
+        summary: what ``run_summary.json`` holds.
+    """
 
     output_dir: Path
     learned_embeds_path: Path
@@ -362,7 +378,7 @@ def write_outputs(run: Run, history: list[dict], steps: int) -> TrainResult:
     summary = _summary(run, history, steps)
     run.hook.remove()
     learned_path = output_dir / LEARNED_EMBEDS
-    pipeline_dir = output_dir / PIPELINE_DIR if config.save_as_full_pipeline else None
+    pipeline_dir = output_dir if config.save_as_full_pipeline else None
     supervise.beat("saving" if accelerator.is_main_process else supervise.WAITING, steps)
     if accelerator.is_main_process:
         save_learned_embeds(learned_path, config.placeholder_token, run.vectors)
@@ -373,8 +389,10 @@ def write_outputs(run: Run, history: list[dict], steps: int) -> TrainResult:
             prune_checkpoints(output_dir, keep=kept[-1], limit=config.checkpoints_total_limit)
         if config.validation_prompt and config.num_validation_images:
             save_samples(run, output_dir / SAMPLES / "final")
-        if pipeline_dir is not None:
-            save_full_pipeline(run, pipeline_dir)
+        if config.save_as_full_pipeline:
+            save_full_pipeline(run, output_dir)
+        elif (output_dir / MODEL_INDEX).exists():  # resumed without the flag: not this run's rows
+            remove_full_pipeline(output_dir)
         write_json(output_dir / SUMMARY, summary)  # written last: marks a finished run
     # Teardown in a safe order: every collective's output dropped (above), every rank past the
     # barrier (no collective in flight), then the process group destroyed. Measured with torch

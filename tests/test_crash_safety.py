@@ -11,20 +11,32 @@ the uninterrupted run's embedding and history and no leftovers; started afresh i
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from helpers import data, models
+from helpers import data, files, models
 from helpers import textual_inversion as ti
 from helpers.config import TrainConfig
 from helpers.engine import checkpoints
 from helpers.errors import InputError
-from helpers.outputs import HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, SUMMARY
+from helpers.outputs import (
+    HISTORY,
+    HISTORY_PARTIAL,
+    LEARNED_EMBEDS,
+    MODEL_INDEX,
+    PIPELINE_PARTS,
+    SUMMARY,
+)
 
 STEPS = 4
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,12 +119,40 @@ class Case:
     """One crash point: where the run stops, what the folder then holds, what the next run does."""
 
     name: str
-    crash: object  # (monkeypatch) -> None: installs the crash point in this process
+    crash: object  # (monkeypatch) -> None: installs the crash point in this process, or None
     checkpoints: list[str]  # the complete checkpoints left behind
     then: str = "resume"  # the next run: "resume" (latest) or "overwrite"
     trained_after: int = 0  # optimisation steps the next run takes
     overrides: dict = field(default_factory=dict)  # settings of both runs
     crashed: dict = field(default_factory=dict)  # settings of the crashed run only
+    kill_at: str | None = None  # SIGKILL the run (a subprocess) as it swaps in the folder of this name
+    leftovers: list[str] = field(default_factory=list)  # globs: the temporaries the crash leaves
+
+
+PIPELINE = {"save_as_full_pipeline": True}
+
+# The subprocess of a kill case: python -m helpers.train that kills itself (SIGKILL: no clean-up,
+# no finally) when files.move_dir_into_place is about to swap in a folder named argv[1].
+KILLER = """
+import os, signal, sys
+from pathlib import Path
+from helpers import files
+from helpers.train import cli
+swap = files.move_dir_into_place
+def killing(src, path):
+    if Path(path).name == sys.argv[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return swap(src, path)
+files.move_dir_into_place = killing
+sys.exit(cli(sys.argv[2:]))
+"""
+
+
+def run_killed(name: str, values: dict) -> None:
+    argv = [sys.executable, "-c", KILLER, name, *_flags(values)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
 
 
 CASES = [
@@ -128,6 +168,7 @@ CASES = [
         checkpoints=["checkpoint-2"],
         trained_after=2,
         overrides={"checkpoints_total_limit": 1},
+        leftovers=["checkpoints/.checkpoint-4.tmp"],  # removed by the next run
     ),
     Case(
         "accelerate's state write of checkpoint-4, limit 1: checkpoint-2 survives",
@@ -135,6 +176,7 @@ CASES = [
         checkpoints=["checkpoint-2"],
         trained_after=2,
         overrides={"checkpoints_total_limit": 1},
+        leftovers=["checkpoints/.checkpoint-4.tmp"],  # removed by the next run
     ),
     Case(
         "rotation, limit 1: checkpoint-4 is whole before checkpoint-2 goes",
@@ -152,6 +194,39 @@ CASES = [
         trained_after=2,
     ),
     Case(
+        "pipeline write, unet moved in next: no model_index.json, resume finishes it",
+        lambda mp: crash_when(mp, files, "move_dir_into_place", named("unet", position=1)),
+        checkpoints=["checkpoint-2", "checkpoint-4"],
+        overrides=PIPELINE,
+    ),
+    Case(
+        "killed in the pipeline write (SIGKILL): its temporary and half-moved parts, resume cleans up",
+        None,
+        checkpoints=["checkpoint-2", "checkpoint-4"],
+        overrides=PIPELINE,
+        kill_at="unet",
+        leftovers=[".pipeline.*.tmp"],
+    ),
+    Case(
+        "killed in the checkpoint-4 swap (SIGKILL), limit 1: checkpoint-2 and a temporary remain",
+        None,
+        checkpoints=["checkpoint-2"],
+        trained_after=2,
+        overrides={"checkpoints_total_limit": 1},
+        kill_at="checkpoint-4",
+        leftovers=["checkpoints/.checkpoint-4.tmp"],
+    ),
+    Case(
+        "killed in the pipeline write (SIGKILL), then --overwrite_output_dir: every part removed, trained again",
+        None,
+        checkpoints=["checkpoint-2", "checkpoint-4"],
+        then="overwrite",
+        trained_after=STEPS,
+        crashed=PIPELINE,
+        kill_at="text_encoder",
+        leftovers=[".pipeline.*.tmp"],
+    ),
+    Case(
         "another run's folder (seed 1, stopped after step 3): --overwrite_output_dir starts over",
         lambda mp: crash_when(mp, ti, "_periodic_saves", lambda run, step, history: step == 3),
         checkpoints=["checkpoint-2"],
@@ -165,13 +240,19 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name.split(":")[0] for c in CASES])
 def test_crash_then_next_run(case: Case, reference, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    with monkeypatch.context() as mp:
-        case.crash(mp)
-        with pytest.raises(Crash):
-            ti.train(config(out, **{**case.overrides, **case.crashed}))
+    crashed = {**case.overrides, **case.crashed}
+    if case.kill_at:
+        run_killed(case.kill_at, settings(out, **crashed))
+    else:
+        with monkeypatch.context() as mp:
+            case.crash(mp)
+            with pytest.raises(Crash):
+                ti.train(config(out, **crashed))
     folder = ti.inspect_output_dir(out)
     assert folder.state == "interrupted" and not (out / SUMMARY).exists()  # never reported as finished
+    assert not (out / MODEL_INDEX).exists()  # no pipeline unless a whole one
     assert [p.name for p in folder.checkpoints] == case.checkpoints
+    assert sorted(folder.leftovers) == sorted(p for g in case.leftovers for p in out.glob(g))
     assert folder.settings["seed"] == case.crashed.get("seed", 3)
 
     # A fresh run into it refuses, naming the run and both choices, before any model loads.
@@ -201,6 +282,12 @@ def test_crash_then_next_run(case: Case, reference, tmp_path, monkeypatch):
     assert folder.state == "finished" and folder.leftovers == [] and not (out / HISTORY_PARTIAL).exists()
     assert len(folder.checkpoints) <= (case.overrides.get("checkpoints_total_limit") or STEPS)
     assert all(ti.checkpoint_settings(c)["seed"] == 3 for c in folder.checkpoints)  # none of another run
+    if case.overrides.get("save_as_full_pipeline"):
+        pipe = StableDiffusionPipeline.from_pretrained(out)  # the guides' line: output_dir is the pipeline
+        ids = pipe.tokenizer.convert_tokens_to_ids(["<dicoo>"])
+        assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[ids], embeds(out))
+    else:  # an earlier attempt's pipeline (or its parts) never outlives a run that saves none
+        assert not any((out / name).exists() for name in (MODEL_INDEX, *PIPELINE_PARTS))
 
 
 def test_a_checkpoint_past_the_last_step_is_refused_before_loading(reference, tmp_path, monkeypatch):
@@ -315,7 +402,14 @@ def test_an_output_dir_that_cannot_hold_a_run_is_refused_before_loading(kind, tm
 
 
 def _flags(values: dict) -> list[str]:
-    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+    """``helpers.train`` flags of settings (booleans as ``--x`` / ``--no-x``)."""
+    flags = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            flags.append(f"--{key}" if value else f"--no-{key}")
+        elif value is not None:
+            flags += [f"--{key}", str(value)]
+    return flags
 
 
 def test_a_diverging_run_stops_at_once_with_one_line_and_exit_2(tmp_path, capsys):

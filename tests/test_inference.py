@@ -99,10 +99,12 @@ def test_find_concept_picks_the_route(tmp_path, embeds):
     )
     with pytest.raises(FileNotFoundError, match="--save_as_full_pipeline"):
         inference.find_concept(out, "tiny", "<dicoo>", route="pipeline")
-    (out / "pipeline").mkdir()
+    (out / "pipeline").mkdir()  # the layout before the pipeline moved into output_dir is not one
     (out / "pipeline" / "model_index.json").write_text("{}")
+    assert inference.find_concept(out, "tiny", "<dicoo>").route == "embeddings"
+    (out / "model_index.json").write_text("{}")  # training with --save_as_full_pipeline: output_dir itself
     concept = inference.find_concept(out, "tiny", "<dicoo>")
-    assert (concept.route, concept.model, concept.learned_embeds) == ("pipeline", str(out / "pipeline"), None)
+    assert (concept.route, concept.model, concept.learned_embeds) == ("pipeline", str(out), None)
     with pytest.raises(FileNotFoundError, match="Fix: train first"):
         inference.find_concept(tmp_path / "missing", "tiny", "<dicoo>")
 

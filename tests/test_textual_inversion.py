@@ -300,7 +300,12 @@ def test_run_outputs(two_vector_run):
     assert summary["world_size"] == 1 and summary["steps"] == 6 and summary["trainable_parameters"] == 64
     assert summary["full_matrix_allreduce_bytes_per_step"] == 49410 * 32 * 4
     assert (summary["allreduce_calls"], summary["allreduce_bytes_per_step"]) == (0, 0)  # one process
-    assert not list(out.rglob(".*.tmp"))  # nothing half-written left behind
+    assert not list(out.rglob(".*"))  # nothing half-written left behind
+    # --save_as_full_pipeline: output_dir itself is the pipeline, as diffusers' script writes it
+    assert result.pipeline_dir == out and not (out / "pipeline").exists()
+    assert {"model_index.json", "text_encoder", "tokenizer", "unet", "vae", "scheduler"} <= {
+        p.name for p in out.iterdir()
+    }
 
 
 def test_learned_embeds_load_in_stock_diffusers(two_vector_run):
@@ -321,7 +326,7 @@ def test_full_pipeline_differs_from_base_only_in_new_rows(two_vector_run):
     from diffusers import StableDiffusionPipeline
 
     cfg, result = two_vector_run
-    tuned = StableDiffusionPipeline.from_pretrained(result.pipeline_dir)
+    tuned = StableDiffusionPipeline.from_pretrained(result.output_dir)  # as the guides load it
     base = models.load_components("tiny")
     new_w = tuned.text_encoder.get_input_embeddings().weight
     old_w = base.text_encoder.get_input_embeddings().weight
@@ -363,7 +368,7 @@ def test_bf16_run_keeps_the_saved_unet_fp32_and_untouched(tmp_path, monkeypatch)
     assert (result.output_dir / "samples" / "final" / "00.png").is_file()
     saved = load_file(result.learned_embeds_path)["<dicoo>"]
     assert saved.dtype == torch.float32 and torch.isfinite(saved).all()
-    tuned = StableDiffusionPipeline.from_pretrained(result.pipeline_dir)
+    tuned = StableDiffusionPipeline.from_pretrained(result.output_dir)
     base = models.load_components("tiny").unet.state_dict()
     assert all(
         v.dtype == torch.float32 and torch.equal(v, base[k]) for k, v in tuned.unet.state_dict().items()
@@ -465,7 +470,7 @@ def test_cli_command_from_the_issue(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["steps"] == 30 and (out / "pipeline" / "model_index.json").is_file()
+    assert summary["steps"] == 30 and (out / "model_index.json").is_file()  # output_dir is the pipeline
     bad = subprocess.run(
         cmd[:-2] + ["--output_dir", str(tmp_path / "x"), "--resolution", "63"],
         capture_output=True,

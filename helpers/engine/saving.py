@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +14,7 @@ from safetensors.torch import save_file
 
 from helpers import files, supervise
 from helpers.engine.rows import write_rows
+from helpers.outputs import MODEL_INDEX, PIPELINE_PARTS
 
 if TYPE_CHECKING:
     from helpers.engine.setup import Run
@@ -87,8 +90,19 @@ def _beat(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
     return callback_kwargs
 
 
-def save_full_pipeline(run: Run, dest: Path) -> Path:
-    """Save a complete diffusers pipeline with the extended tokenizer and text encoder."""
+def save_full_pipeline(run: Run, output_dir: Path) -> Path:
+    """Save the complete diffusers pipeline into ``output_dir`` itself, as diffusers' script does.
+
+    ``output_dir`` then holds ``model_index.json``, ``text_encoder/``, ``tokenizer/`` (both with the
+    placeholder tokens), ``unet/``, ``vae/`` and ``scheduler/`` beside ``learned_embeds.safetensors``,
+    so ``StableDiffusionPipeline.from_pretrained(output_dir)`` (and optimum-intel's export) load it.
+
+    Complete or absent: the pipeline is saved into a hidden folder inside ``output_dir``, any old
+    ``model_index.json`` is removed, each component folder is moved in
+    (:func:`helpers.files.move_dir_into_place`) and ``model_index.json`` is written last. A crash
+    leaves no ``model_index.json``; the next run removes the half-moved parts
+    (:func:`helpers.engine.folder.clear_leftovers`). Main process only.
+    """
     from diffusers import StableDiffusionPipeline
 
     write_rows(run.text_encoder, run.token_ids, run.vectors)
@@ -102,4 +116,26 @@ def save_full_pipeline(run: Run, dest: Path) -> Path:
         requires_safety_checker=False,
         **unet,
     )
-    return files.replace_dir_atomic(dest, lambda tmp: base.save_pretrained(tmp, safe_serialization=True))
+    output_dir = Path(output_dir)
+    (output_dir / MODEL_INDEX).unlink(missing_ok=True)  # not a whole pipeline until the new one is in
+    tmp = output_dir / f".pipeline.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    tmp.mkdir(parents=True)
+    try:
+        base.save_pretrained(tmp, safe_serialization=True)
+        for part in sorted(tmp.iterdir()):
+            if part.is_dir():
+                files.move_dir_into_place(part, output_dir / part.name)
+            elif part.name != MODEL_INDEX:
+                files.write_bytes_atomic(output_dir / part.name, part.read_bytes())
+        files.write_bytes_atomic(output_dir / MODEL_INDEX, (tmp / MODEL_INDEX).read_bytes())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output_dir
+
+
+def remove_full_pipeline(output_dir: Path) -> None:
+    """Remove a pipeline saved into ``output_dir`` (``model_index.json`` first, then its parts)."""
+    output_dir = Path(output_dir)
+    (output_dir / MODEL_INDEX).unlink(missing_ok=True)
+    for name in PIPELINE_PARTS:
+        shutil.rmtree(output_dir / name, ignore_errors=True)

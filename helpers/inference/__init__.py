@@ -2,8 +2,9 @@
 
 The concept reaches a pipeline by one of two routes, both supported and tested:
 
-* the full fine-tuned folder that training writes with ``--save_as_full_pipeline``
-  (``output_dir/pipeline``): its tokenizer and text encoder already hold the placeholder token;
+* the full fine-tuned pipeline that training writes with ``--save_as_full_pipeline`` into
+  ``output_dir`` itself (as diffusers' script does): its tokenizer and text encoder already hold
+  the placeholder token;
 * the base model plus ``output_dir/learned_embeds.safetensors``, loaded afterwards with
   ``load_textual_inversion`` (diffusers' for PyTorch, optimum-intel's for OpenVINO).
 

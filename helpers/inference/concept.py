@@ -11,7 +11,7 @@ import torch
 
 from helpers.inference.common import ROUTES, InferenceInputError
 from helpers.models import OFFLINE_MODELS, TINY, TOYWORLD, resolve_model
-from helpers.outputs import LEARNED_EMBEDS, PIPELINE_DIR, placeholder_tokens_for
+from helpers.outputs import LEARNED_EMBEDS, MODEL_INDEX, is_pipeline_folder, placeholder_tokens_for
 from helpers.sources import classify_source
 
 
@@ -41,7 +41,8 @@ def find_concept(
         trained_output_dir: the training ``output_dir``.
         base_model: the model the concept was trained on (used by the ``"embeddings"`` route).
         placeholder_token: the token the concept was learned as.
-        route: ``"pipeline"`` (``output_dir/pipeline``), ``"embeddings"`` (base model +
+        route: ``"pipeline"`` (``output_dir`` itself, a pipeline folder when trained with
+            ``--save_as_full_pipeline``), ``"embeddings"`` (base model +
             ``learned_embeds.safetensors``) or ``"auto"`` (the pipeline if it was saved).
 
     Raises:
@@ -55,16 +56,16 @@ def find_concept(
             f"trained_output_dir {str(out)!r} does not exist. Fix: train first (notebook 02 or "
             f"`python -m helpers.train --output_dir {out}`), or point trained_output_dir at its output_dir."
         )
-    pipeline_dir, embeds = out / PIPELINE_DIR, out / LEARNED_EMBEDS
+    embeds = out / LEARNED_EMBEDS
     if route == "auto":
-        route = "pipeline" if (pipeline_dir / "model_index.json").is_file() else "embeddings"
+        route = "pipeline" if is_pipeline_folder(out) else "embeddings"
     if route == "pipeline":
-        if not (pipeline_dir / "model_index.json").is_file():
+        if not is_pipeline_folder(out):
             raise FileNotFoundError(
-                f"{pipeline_dir} is not a diffusers pipeline folder. Fix: train with "
+                f"{out} holds no diffusers pipeline ({MODEL_INDEX}). Fix: train with "
                 f"--save_as_full_pipeline, or use route='embeddings' (base model + {LEARNED_EMBEDS})."
             )
-        return ConceptSource(str(pipeline_dir), None, placeholder_token, route)
+        return ConceptSource(str(out), None, placeholder_token, route)
     if not embeds.is_file():
         raise FileNotFoundError(
             f"{embeds} does not exist. Fix: let training finish; it writes {LEARNED_EMBEDS}."
@@ -164,7 +165,8 @@ def _local_model(model: str | os.PathLike) -> Path:
     if name not in OFFLINE_MODELS and classify_source(name) not in ("folder", "hub_id"):
         raise FileNotFoundError(
             f"model folder {name!r} does not exist. Fix: pass an existing diffusers folder (e.g. the "
-            f"training output_dir/pipeline), an exported OpenVINO folder, a Hub id, '{TOYWORLD}' or '{TINY}'."
+            f"training output_dir with --save_as_full_pipeline), an exported OpenVINO folder, a Hub id, "
+            f"'{TOYWORLD}' or '{TINY}'."
         )
     return resolve_model(name)
 
@@ -201,7 +203,7 @@ def check_concept(
         raise InferenceInputError(
             f"placeholder_token {placeholder_token!r} is not in the tokenizer of model {os.fspath(model)!r}, "
             f"so it does not hold the learned concept. "
-            f"Fix: pass the fine-tuned folder (output_dir/pipeline), or "
+            f"Fix: pass the fine-tuned folder (the output_dir of a run with --save_as_full_pipeline), or "
             f"the base model with learned_embeds=output_dir/{LEARNED_EMBEDS}."
         )
     return path
