@@ -219,9 +219,11 @@ class _Output:
             else:
                 self._line(None, text, end)
             return
-        if m.start():  # a progress-bar redraw the forwarded line came right after
-            self._line(None, text[: m.start()], "\n")
         pid, body = int(m["pid"]), text[m.end() :]
+        if m.start():  # a progress-bar redraw the forwarded line came right after: it ends the bar's
+            # line only if the forwarded line is shown (rank 0's), else the bar keeps redrawing in place
+            shown = m["actor"] == "RayTrainWorker" and self.ray_ranks.get(pid, 0) == 0
+            self._line(None, text[: m.start()], "\n" if shown else "\r")
         if m["actor"] != "RayTrainWorker":  # the Train controller and Ray's helpers: log only
             self._aside(f"({m['actor']}) {body}", end)
             return

@@ -64,6 +64,8 @@ def table(rows: Mapping[str, Any] | list[Mapping[str, Any]], floatfmt: str = ".4
     def fmt(v: Any) -> str:
         if isinstance(v, Mapping):  # e.g. CPU flags: "avx2 ✓, amx_bf16 ✗"
             text = ", ".join(f"{k} {'✓' if x is True else '✗' if x is False else x}" for k, x in v.items())
+        elif isinstance(v, (tuple, list)):  # e.g. the same measure of two runs side by side
+            return ", ".join(map(fmt, v))
         else:
             text = format(v, floatfmt) if isinstance(v, float) else str(v)
         return text.replace("|", "\\|")
@@ -144,6 +146,8 @@ def run_notebook(
                 execution_timeout=cell_timeout,
                 cwd=str(cwd or path.parent),
                 progress_bar=False,
+                # one output per stream, progress-bar redraws ("\r") reduced to their last state
+                coalesce_streams=True,
             )
         except PapermillExecutionError as err:
             # Keep the failed copy next to the output: it shows the traceback in context.

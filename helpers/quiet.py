@@ -35,6 +35,9 @@ NOISE: dict[str, tuple[str, ...]] = {
         "You have disabled the safety checker",
     ),
     "optimum.intel.openvino.modeling_diffusion": ("You have disabled the safety checker",),
+    # CLIP's text encoder has no tensor-parallel plan; in a distributed run (data parallel, nothing
+    # is meant to be sharded) transformers lists every one of its layers as "not sharded".
+    "transformers.integrations.tensor_parallel": ("The following layers were not sharded",),
     # NNCF prints its weight-compression statistics table at INFO.
     "nncf": (),
 }

@@ -163,6 +163,9 @@ NOISE = (
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_executed_handout_is_offline_and_quiet(path: Path, notebook_records, notebook_run_dir):
     notebook_records(path.stem)  # runs the notebooks up to this one
+    executed = json.loads((notebook_run_dir / path.name).read_text())
+    streams = [o for c in executed["cells"] for o in c.get("outputs", []) if o["output_type"] == "stream"]
+    assert [o for o in streams if "\r" in "".join(o["text"])] == []  # progress bars: their last line only
     html = handouts.export_html(notebook_run_dir / path.name, notebook_run_dir / f"{path.stem}.html").read_text()
     assert REMOTE_LOAD.findall(html) == []
     text = re.sub(r"<[^>]+>", " ", html)

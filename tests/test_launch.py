@@ -402,6 +402,12 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
     assert "-m helpers.ray_launch --nproc_per_node 2 --num_nodes 1 " in r["ray_command"]
     assert "--ray_address" not in r["ray_command"]
     assert (notebook_run_dir / "outputs" / "pip-toyworld-mpirun-ray" / "learned_embeds.safetensors").is_file()
+    # the dry run for notebook 01's planned 3-node cluster (Standard_D8_v5: 4 cores, 2 ranks each)
+    (mpirun,), torchrun = r["example_commands"]["mpirun"], r["example_commands"]["torchrun"]
+    assert " -f cluster/hostfile -n 6 -ppn 2 " in mpirun and "-genv MASTER_ADDR 10.42.1.4" in mpirun
+    assert "-genv OMP_NUM_THREADS 2" in mpirun
+    assert [c.split("--node_rank ")[1].split()[0] for c in torchrun] == ["0", "1", "2"]
+    assert all("--nnodes 3 " in c and "--master_addr 10.42.1.4 " in c for c in torchrun)
 
 
 # --- supervision to the end ---------------------------------------------------------------------------

@@ -76,12 +76,15 @@ def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
         ("bar 50%(RayTrainWorker pid=22) Traceback (most recent call last):", "\n"),  # right after a redraw
         ("(RayTrainWorker pid=22) RuntimeError: boom", "\n"),
         ("(PlacementGroupCleaner pid=44) Failed to query Ray Train Controller actor state.", "\n"),
+        ("bar 60%(RayTrainWorker pid=33, ip=10.0.0.4) learned embeddings: out", "\n"),  # rank 0's: shown
     ]  # fmt: skip
     for text, end in pieces:
         out.feed(0, cmd, text, end)
     assert stream.getvalue() == (
         "helpers.ray_launch: Ray 2.60.0 started on this machine in 9.0 s\n"
-        f"{ray_launch.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)\nprecision: fp32 requested\n\rbar 50%\n"
+        f"{ray_launch.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)\nprecision: fp32 requested\n"
+        "\rbar 50%\r"  # rank 1's line is not shown: the bar goes on redrawing in place
+        "bar 60%\nlearned embeddings: out\n"
     )
     assert out.ray_ranks == {22: 1, 33: 0}
     assert list(out.tails[1])[1:] == ["Traceback (most recent call last):", "RuntimeError: boom"]
