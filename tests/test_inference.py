@@ -439,6 +439,7 @@ def test_cli_generate_and_compare(ov_dirs, finetuned_dir, tmp_path):
 @pytest.mark.notebooks
 def test_notebook_05_records(notebook_records):
     records = notebook_records("05_openvino_inference")
+    assert Path(records["trained_output_dir"]).name == "pip-toyworld-mpirun"  # the cluster-trained word (04)
     seconds = records["seconds_per_image"]
     native_bf16 = records["openvino_default_precision"] == "bf16"
     assert records["openvino_default_precision"] == inference.openvino_default_precision()
@@ -459,3 +460,19 @@ def test_notebook_05_records(notebook_records):
     scores = records["concept_score"]  # the judge's Pip score of every variant's pictures
     assert set(scores) == set(seconds) and scores["pytorch_fp32"] >= 0.5
     assert all(abs(score - scores["pytorch_fp32"]) <= 0.1 for score in scores.values()), scores
+
+
+def test_first_finished_run_prefers_the_first_finished_folder(tmp_path):
+    cluster, single = tmp_path / "cluster", tmp_path / "single"
+    single.mkdir()
+    (single / "run_summary.json").write_text("{}")
+    assert inference.first_finished_run(cluster, single) == single  # the cluster run never finished
+    cluster.mkdir()
+    (cluster / "learned_embeds.safetensors").write_bytes(b"")  # interrupted: no summary
+    assert inference.first_finished_run(cluster, single) == single
+    (cluster / "run_summary.json").write_text("{}")
+    assert inference.first_finished_run(cluster, single) == cluster
+    with pytest.raises(
+        FileNotFoundError, match="no finished training run in .*elsewhere.*Fix: run notebook 02 or 04"
+    ):
+        inference.first_finished_run(tmp_path / "elsewhere")

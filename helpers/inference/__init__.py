@@ -46,7 +46,13 @@ from helpers.inference.common import (
     WEIGHT_FORMATS,
     InferenceInputError,
 )
-from helpers.inference.concept import ConceptSource, check_concept, find_concept, read_learned_embeds
+from helpers.inference.concept import (
+    ConceptSource,
+    check_concept,
+    find_concept,
+    first_finished_run,
+    read_learned_embeds,
+)
 from helpers.inference.generation import Generation, generate, initial_latents, save_images, timing_rows
 from helpers.inference.openvino import (
     disk_megabytes,
@@ -90,6 +96,7 @@ __all__ = [
     "export_info",
     "export_openvino",
     "find_concept",
+    "first_finished_run",
     "generate",
     "image_max_abs_diff",
     "image_psnr",

@@ -11,7 +11,7 @@ import torch
 
 from helpers.inference.common import ROUTES, InferenceInputError
 from helpers.models import OFFLINE_MODELS, TINY, TOYWORLD, resolve_model
-from helpers.outputs import LEARNED_EMBEDS, MODEL_INDEX, is_pipeline_folder, placeholder_tokens_for
+from helpers.outputs import LEARNED_EMBEDS, MODEL_INDEX, SUMMARY, is_pipeline_folder, placeholder_tokens_for
 from helpers.sources import classify_source
 
 
@@ -30,6 +30,22 @@ class ConceptSource:
     learned_embeds: str | None
     placeholder_token: str
     route: str
+
+
+def first_finished_run(*output_dirs: str | os.PathLike) -> Path:
+    """The first of ``output_dirs`` that holds a finished training run (its ``run_summary.json``,
+    written last), e.g. notebook 04's cluster run, else notebook 02's.
+
+    Raises:
+        FileNotFoundError: none of them holds a finished run; the message names each.
+    """
+    for out in map(Path, output_dirs):
+        if (out / SUMMARY).is_file():
+            return out
+    raise FileNotFoundError(
+        f"no finished training run in {', '.join(map(str, output_dirs))} (none holds {SUMMARY}). "
+        "Fix: run notebook 02 or 04 first, or point trained_output_dir at a finished run's output_dir."
+    )
 
 
 def find_concept(
