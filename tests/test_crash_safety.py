@@ -6,6 +6,7 @@ leaves the temporaries an exception would clean up). It then states what the out
 (its state, its checkpoints, no half-written pipeline) and what the next run does: resumed with
 ``--resume_from_checkpoint latest`` or started again with ``--overwrite_output_dir`` it ends with
 the uninterrupted run's embedding and history and no leftovers; started afresh it refuses.
+The table is ``CASES``; the tests after it cover what is refused before any model loads.
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ def embeds(output_dir: Path) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run every case must end equal to."""
-    result = ti.train(config(tmp_path_factory.mktemp("reference") / "out"))
-    return result
+    return ti.train(config(tmp_path_factory.mktemp("reference") / "out"))
 
 
 class Counter:
@@ -127,6 +127,7 @@ class Case:
     crashed: dict = field(default_factory=dict)  # settings of the crashed run only
     kill_at: str | None = None  # SIGKILL the run (a subprocess) as it swaps in the folder of this name
     leftovers: list[str] = field(default_factory=list)  # globs: the temporaries the crash leaves
+    whole_pipeline: bool = False  # model_index.json left (and every part it names), else none
 
 
 PIPELINE = {"save_as_full_pipeline": True}
@@ -186,6 +187,28 @@ CASES = [
         checkpoints=["checkpoint-2", "checkpoint-4"],
         trained_after=0,
         overrides={"checkpoints_total_limit": 1},
+    ),
+    Case(
+        "final history write: resumed at the last step",
+        lambda mp: crash_when(mp, ti, "write_json", named(HISTORY)),
+        checkpoints=["checkpoint-2", "checkpoint-4"],
+    ),
+    Case(
+        "summary write (everything else written): not finished, resume rewrites the outputs",
+        lambda mp: crash_when(mp, ti, "write_json", named(SUMMARY)),
+        checkpoints=["checkpoint-2", "checkpoint-4"],
+        overrides=PIPELINE,
+        whole_pipeline=True,
+    ),
+    Case(
+        "validation samples of step 4: checkpoint-4 was saved before them",
+        lambda mp: crash_when(mp, files, "replace_dir_atomic", named("step-4")),
+        checkpoints=["checkpoint-2", "checkpoint-4"],
+        overrides={
+            "validation_prompt": "a photo of <dicoo>",
+            "validation_steps": 2,
+            "num_validation_images": 1,
+        },
     ),
     Case(
         "after step 3: resumed from checkpoint-2, trains steps 3 and 4 again",
@@ -250,7 +273,10 @@ def test_crash_then_next_run(case: Case, reference, tmp_path, monkeypatch):
                 ti.train(config(out, **crashed))
     folder = ti.inspect_output_dir(out)
     assert folder.state == "interrupted" and not (out / SUMMARY).exists()  # never reported as finished
-    assert not (out / MODEL_INDEX).exists()  # no pipeline unless a whole one
+    assert (out / MODEL_INDEX).exists() == case.whole_pipeline  # a pipeline only if a whole one
+    if case.whole_pipeline:
+        index = json.loads((out / MODEL_INDEX).read_text())
+        assert all((out / k).is_dir() for k, v in index.items() if isinstance(v, list) and v[0])
     assert [p.name for p in folder.checkpoints] == case.checkpoints
     assert sorted(folder.leftovers) == sorted(p for g in case.leftovers for p in out.glob(g))
     assert folder.settings["seed"] == case.crashed.get("seed", 3)
