@@ -1,0 +1,74 @@
+"""DreamBooth with LoRA and prior preservation on CPUs: diffusers' ``train_dreambooth_lora.py``, lean.
+
+One subject (3-5 pictures) is bound to a rare word in a prompt ("a photo of sks toy") by training
+small low-rank updates of the UNet's attention (LoRA, through peft, as diffusers does); with prior
+preservation the base model's own pictures of the class ("a photo of a toy") are trained on too, so
+the class keeps its meaning. The result is ``pytorch_lora_weights.safetensors`` (a few MB for SD
+v1.5) that stock ``StableDiffusionPipeline.load_lora_weights`` loads, and optionally the full
+pipeline with the LoRA fused in.
+
+* :mod:`~helpers.dreambooth.config`: ``DreamBoothConfig``, the flags of diffusers' script (no torch import:
+  ``helpers.launch`` parses with it).
+* :mod:`~helpers.dreambooth.class_images`: the class pictures, generated when missing (resumable, split
+  across processes, reused).
+* :mod:`~helpers.dreambooth.data`: subject/class pairs and their views (one cached latent per picture).
+* :mod:`~helpers.dreambooth.lora`: the LoRA layers, the file, both loaders, the fused pipeline.
+* :mod:`~helpers.dreambooth.training`: the training loop (the textual-inversion engine's cached latents
+  and keyed draws; only the LoRA matrices trained and all-reduced).
+* :mod:`~helpers.dreambooth.saving`: the run's folder, checkpoints, resumption, samples, final outputs.
+* :mod:`~helpers.dreambooth.evaluate`: pictures, the toy world's judge, the comparison with Textual Inversion.
+* :mod:`~helpers.dreambooth.command`: ``python -m helpers.dreambooth``.
+
+The names below are importable from here; the heavy ones (torch, diffusers) load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from helpers.dreambooth.config import (
+    IGNORED_FLAGS,
+    UNSUPPORTED_DIFFUSERS_FLAGS,
+    DreamBoothConfig,
+    DreamBoothConfigError,
+    parse_args,
+)
+
+_LAZY = {
+    "train": "training",
+    "DreamBoothResult": "training",
+    "check_inputs": "training",
+    "setup_run": "training",
+    "training_step": "training",
+    "dreambooth_loss": "training",
+    "prior_preservation_loss": "training",
+    "LORA_WEIGHTS": "lora",
+    "add_lora": "lora",
+    "lora_file": "lora",
+    "load_lora_pipeline": "lora",
+    "stock_lora_pipeline": "lora",
+    "save_fused_pipeline": "lora",
+    "save_lora_weights": "lora",
+    "ensure_class_images": "class_images",
+    "lora_report": "evaluate",
+    "class_share": "evaluate",
+    "compare_methods": "evaluate",
+    "cli": "command",
+    "main": "command",
+}
+
+__all__ = [
+    "IGNORED_FLAGS",
+    "UNSUPPORTED_DIFFUSERS_FLAGS",
+    "DreamBoothConfig",
+    "DreamBoothConfigError",
+    "parse_args",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"helpers.dreambooth.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'helpers.dreambooth' has no attribute {name!r}")

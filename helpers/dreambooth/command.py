@@ -1,0 +1,34 @@
+"""The command line: ``python -m helpers.dreambooth`` (also under ``helpers.launch --module helpers.dreambooth``).
+
+Flags are those of diffusers' ``examples/dreambooth/train_dreambooth_lora.py``; see
+``python -m helpers.dreambooth --help``. ``--config run.yaml`` loads settings that flags override.
+Bad input is one ``error: ...`` line and exit code 2, before anything is loaded or written.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from helpers import supervise
+from helpers.dreambooth.config import DreamBoothConfig, parse_args
+from helpers.errors import run_cli
+from helpers.models import HubUnavailableError
+
+__all__ = ["cli", "main", "parse_args"]
+
+
+def main(config: DreamBoothConfig) -> int:
+    """Train with validated settings; log where the LoRA weights are."""
+    from helpers.dreambooth.training import train
+
+    result = train(config)
+    logging.getLogger(__name__).info("LoRA weights: %s", result.lora_weights_path)
+    return 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Parse, train, and turn input problems into one clear line and exit code 2."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per checkpoint file otherwise
+    supervise.start()  # under helpers.launch: this rank's lock and status, until the process is gone
+    return run_cli(main, parse_args, argv, also=(HubUnavailableError,))

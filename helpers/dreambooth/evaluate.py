@@ -1,0 +1,129 @@
+"""Pictures of a DreamBooth-LoRA run, the toy world's judge, and the comparison with Textual Inversion.
+
+:func:`lora_report` draws pictures of a prompt from fixed seeds with (or without) the LoRA, loaded
+the stock way, and lets the toy world's judge score them (:class:`helpers.toyworld.ConceptReport`).
+:func:`class_share` reads from such a report whether the class still looks like the class: the
+share of "a photo of a toy" pictures the judge does *not* take for the subject. :func:`compare_methods`
+puts Textual Inversion and DreamBooth-LoRA side by side: time, bytes, concept score, class share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from helpers.outputs import HISTORY, LEARNED_EMBEDS, SUMMARY
+from helpers.toyworld import ConceptReport
+
+
+def lora_report(
+    model: str | os.PathLike,
+    prompt: str,
+    lora: str | os.PathLike | None = None,
+    num_images: int = 8,
+    seed: int = 0,
+) -> ConceptReport:
+    """``num_images`` pictures of ``prompt`` (picture ``i`` from seed ``(seed, i)``), judged if the model has a judge.
+
+    Args:
+        model: the base model (``"toyworld"`` has a judge).
+        prompt: e.g. ``"a photo of sks toy"``.
+        lora: a DreamBooth-LoRA output_dir (or its LoRA file), loaded with diffusers'
+            ``load_lora_weights``; None: the base model alone (pictures *before* training).
+    """
+    from helpers.dreambooth.lora import lora_file, stock_lora_pipeline
+    from helpers.inference import load_pytorch_pipeline
+    from helpers.models import resolve_model
+    from helpers.toyworld.evaluate import concept_scores, generate_images
+    from helpers.toyworld.judge import JUDGE_DIR, load_judge
+
+    if lora is not None:
+        lora_file(lora)  # fails fast, before the model loads
+    model_dir = resolve_model(model)
+    pipe = stock_lora_pipeline(model_dir, lora) if lora is not None else load_pytorch_pipeline(model_dir)
+    images = generate_images(pipe, [prompt] * num_images, seed)
+    if not (model_dir / JUDGE_DIR).is_dir():
+        return ConceptReport(prompt, images)
+    judged = concept_scores(load_judge(model_dir), images)
+    return ConceptReport(prompt, images, judged.pop("concept_score"), judged)
+
+
+def class_share(report: ConceptReport) -> float | None:
+    """The share of the report's pictures the judge does not take for the subject (Pip), or None unjudged.
+
+    For the class prompt ("a photo of a toy") this should stay near 1: the class still looks like
+    the class. A model that has forgotten the class draws the subject for it instead.
+    """
+    from helpers.toyworld.world import PIP
+
+    objects = report.judged.get("objects")
+    if not objects:
+        return None
+    return round(sum(o != PIP for o in objects) / len(objects), 4)
+
+
+def _training_seconds(output_dir: Path) -> float:
+    return round(sum(h["seconds"] for h in json.loads((output_dir / HISTORY).read_text())), 2)
+
+
+def method_row(
+    method: str,
+    output_dir: str | os.PathLike,
+    result_file: str | os.PathLike,
+    concept: ConceptReport,
+    class_report: ConceptReport,
+    extra_seconds: float = 0.0,
+) -> dict[str, Any]:
+    """One row of the comparison table, from a finished run's files and its two reports."""
+    output_dir = Path(output_dir)
+    summary = json.loads((output_dir / SUMMARY).read_text())
+    return {
+        "method": method,
+        "steps": summary["steps"],
+        "training seconds": _training_seconds(output_dir),
+        "class images seconds": round(extra_seconds, 2),
+        "result": Path(result_file).name,
+        "result bytes": Path(result_file).stat().st_size,
+        "concept score": concept.concept_score,
+        "class pictures not the subject": class_share(class_report),
+    }
+
+
+def compare_methods(
+    model: str | os.PathLike,
+    class_prompt: str,
+    ti_output_dir: str | os.PathLike,
+    ti_prompt: str,
+    db_output_dir: str | os.PathLike,
+    db_prompt: str,
+    num_images: int = 8,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Textual Inversion and DreamBooth-LoRA on the same subject, the same seeds and the same judge.
+
+    Args:
+        model: the base model both were trained on.
+        class_prompt: e.g. ``"a photo of a toy"``: does the class still look like the class?
+        ti_output_dir, ti_prompt: a textual-inversion run (notebook 02) and its prompt, e.g. ``"a photo of <pip>"``.
+        db_output_dir, db_prompt: a DreamBooth-LoRA run and its prompt, e.g. ``"a photo of sks toy"``.
+
+    Returns:
+        Two rows (:func:`method_row`). Textual Inversion leaves the model as it was, so its class
+        pictures are the base model's.
+    """
+    from helpers.toyworld import concept_report
+
+    ti_dir, db_dir = Path(ti_output_dir), Path(db_output_dir)
+    ti = concept_report(model, ti_prompt, ti_dir / LEARNED_EMBEDS, num_images=num_images, seed=seed)
+    base_class = concept_report(model, class_prompt, num_images=num_images, seed=seed)
+    db = lora_report(model, db_prompt, db_dir, num_images=num_images, seed=seed)
+    db_class = lora_report(model, class_prompt, db_dir, num_images=num_images, seed=seed)
+    made = json.loads((db_dir / SUMMARY).read_text()).get("class_images") or {}
+    from helpers.dreambooth.lora import LORA_WEIGHTS
+
+    return [
+        method_row("Textual Inversion", ti_dir, ti_dir / LEARNED_EMBEDS, ti, base_class),
+        method_row("DreamBooth-LoRA", db_dir, db_dir / LORA_WEIGHTS, db, db_class, made.get("seconds", 0.0)),
+    ]
