@@ -53,6 +53,7 @@ from helpers.distributed import ClusterLayout, LaunchCommand
 logger = logging.getLogger(__name__)
 
 LAUNCHERS = (*distributed.LAUNCHERS, "ray")
+TRAIN_MODULES = ("helpers.train", "helpers.dreambooth")  # what every rank may run (--module)
 # The first tag on a line names its rank; launchers also split lines and tag the pieces.
 _TAGS = {
     "hydra": r"\[({rank})\] ",  # -l / -prepend-rank: "[1] text"
@@ -401,6 +402,7 @@ def prepare_job(
     backend: str | None = None,
     num_nodes: int = 1,
     ray_address: str | None = None,
+    module: str = "helpers.train",
 ) -> list[LaunchCommand]:
     """Check the training flags, write the hostfile and accelerate configs, and build the commands.
 
@@ -418,17 +420,28 @@ def prepare_job(
         num_nodes: ``"ray"`` only: nodes of the Ray cluster to spread the workers over.
         ray_address: ``"ray"`` only: ``"auto"`` or ``HOST:PORT`` of a running Ray cluster (default:
             a private Ray runtime on this machine, ended with the job).
+        module: what every rank runs, one of :data:`TRAIN_MODULES` (``train_args`` are its flags).
 
     Returns:
         The commands to pass to :func:`run_job`.
     """
-    from helpers.config import parse_args as parse_train_args
+    if module == "helpers.dreambooth":  # its flag parser imports no torch, as helpers.config's
+        from helpers.dreambooth.config import parse_args as parse_train_args
 
+        data_flag = "instance_data_dir"
+    else:
+        from helpers.config import parse_args as parse_train_args
+
+        data_flag = "train_data_dir"
     config = parse_train_args(list(train_args))
-    if config.train_data_dir and not Path(config.train_data_dir).is_dir():
+    if getattr(config, data_flag) and not Path(getattr(config, data_flag)).is_dir():
         raise distributed.DistributedError(
-            f"--train_data_dir {config.train_data_dir} is not a folder here; give the concept images' folder "
+            f"--{data_flag} {getattr(config, data_flag)} is not a folder here; give the concept images' folder "
             "(the same path on every node)"
+        )
+    if launcher == "ray" and module != "helpers.train":
+        raise distributed.DistributedError(
+            f"--launcher ray runs helpers.train only; run {module} with mpirun or torchrun"
         )
     output_dir = Path(config.output_dir).resolve()
     work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
@@ -450,7 +463,7 @@ def prepare_job(
         kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
     commands = distributed.launch_commands(
         layout, train_args, launcher, backend=backend or distributed.select_backend(),
-        extra_env={supervise.STATUS_DIR_ENV: status_dir}, **kwargs,
+        extra_env={supervise.STATUS_DIR_ENV: status_dir}, entry=("-m", module), **kwargs,
     )  # fmt: skip
     return [dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir)) for c in commands]
 
@@ -466,6 +479,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         epilog="Everything after -- goes to helpers.train, e.g. -- --pretrained_model_name_or_path tiny ...",
     )
     parser.add_argument("--launcher", choices=LAUNCHERS, default="mpirun")
+    parser.add_argument("--module", choices=TRAIN_MODULES, default="helpers.train",
+                        help="what every rank runs; the flags after -- are its flags")  # fmt: skip
     parser.add_argument("--nproc_per_node", type=int, default=None,
                         help="processes per node (default: the hostfile's slots, else 1)")  # fmt: skip
     parser.add_argument(
@@ -598,7 +613,7 @@ def main(args: argparse.Namespace) -> int:
         check_args(args)
         layout = layout_from_args(args)
         commands = prepare_job(layout, args.train_args, args.launcher, work_dir=args.work_dir, mpirun=args.mpirun,
-                               num_nodes=args.num_nodes or 1, ray_address=args.ray_address)  # fmt: skip
+                               num_nodes=args.num_nodes or 1, ray_address=args.ray_address, module=args.module)  # fmt: skip
     except ValueError as err:  # DistributedError, ConfigError: bad input, nothing started
         print(f"error: {err}", file=sys.stderr)
         return 2
