@@ -154,6 +154,9 @@ def cache_dir() -> Path:
 def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
     """Turn ``"toyworld"``, ``"tiny"``, a local diffusers folder or a Hub id into a local folder.
 
+    Every model load starts here, so this is also where the load-time progress bars of diffusers
+    and transformers are turned off (:func:`helpers.quiet.quiet_model_loading`), once the model is found.
+
     Args:
         name_or_path: ``"toyworld"`` (shipped), ``"tiny"`` (built on first use), a folder with
             ``model_index.json``, or a Hub repo id.
@@ -166,7 +169,12 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
         HubUnavailableError: a Hub id was given and the Hub is unreachable.
         FileNotFoundError: a local path was given that is not a diffusers folder.
     """
-    name = os.fspath(name_or_path)
+    path = _locate_model(os.fspath(name_or_path), revision)
+    quiet_model_loading()
+    return path
+
+
+def _locate_model(name: str, revision: str | None) -> Path:
     if name == TINY:
         return tiny_pipeline_dir()
     if name == TOYWORLD:
@@ -208,7 +216,6 @@ def load_components(
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    quiet_model_loading()
     path = resolve_model(pretrained_model_name_or_path, revision)
     return Components(
         tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
