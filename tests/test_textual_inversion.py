@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -477,7 +478,8 @@ def test_cli_command_from_the_issue(tmp_path):
         text=True,
         timeout=120,
     )
-    assert bad.returncode == 2 and "resolution=63" in bad.stderr
+    assert bad.returncode == 2 and re.search(r"resolution='?63'?", bad.stderr)
+    assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1  # one line
 
 
 def test_threads_default_shares_the_cores_of_a_node(monkeypatch):
