@@ -82,6 +82,10 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
         mixed_precision=precision.mixed_precision,
         cpu=True,
     )
+    # Every rank has read the output folder's state (check_inputs) before the main process
+    # changes it (prepare_output_dir). Starting the process group usually waits for all ranks
+    # anyway; under Ray Train the group exists before train() is called, so wait here.
+    accelerator.wait_for_everyone()
     cpu.set_threads()
     logger.info(f"precision: {precision.reason}", main_process_only=True)
     if precision.warning:
