@@ -38,8 +38,6 @@ NOISE: dict[str, tuple[str, ...]] = {
     # CLIP's text encoder has no tensor-parallel plan; in a distributed run (data parallel, nothing
     # is meant to be sharded) transformers lists every one of its layers as "not sharded".
     "transformers.integrations.tensor_parallel": ("The following layers were not sharded",),
-    # NNCF prints its weight-compression statistics table at INFO.
-    "nncf": (),
 }
 
 
@@ -90,3 +88,11 @@ def tracing_quietly() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         yield
+
+
+def quiet_weight_compression() -> None:
+    """NNCF prints its weight-compression statistics table at INFO; it sets its own logger's level
+    when imported, so the level is set through its API, after the import."""
+    import nncf
+
+    nncf.set_log_level(logging.ERROR)

@@ -19,7 +19,7 @@ from helpers.inference.common import (
     is_openvino_folder,
 )
 from helpers.inference.concept import check_concept, check_embeds, learned_embeds_file
-from helpers.quiet import quiet_model_loading, tracing_quietly
+from helpers.quiet import quiet_model_loading, quiet_weight_compression, tracing_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,7 @@ def export_openvino(
             else []
         )
         if weight_format == "int8":
+            quiet_weight_compression()
             config = OVConfig(quantization_config=OVWeightQuantizationConfig(bits=8))
             OVQuantizer(pipe).quantize(ov_config=config, save_directory=tmp)
         else:
