@@ -259,9 +259,17 @@ def test_cpu_report_describes_this_machine():
 @pytest.mark.skipif(
     not cpu.ipex_available(), reason="intel_extension_for_pytorch is not installed (needs torch 2.8)"
 )
-def test_ipex_keeps_the_placeholder_gradient(tmp_path):
-    result = ti.train(tiny_config(tmp_path, max_train_steps=2, use_ipex=True))
-    assert result.history[-1]["loss"] > 0  # the engine's gradient guard raised otherwise
+def test_ipex_trains_the_same_embedding_as_plain_pytorch(tmp_path):
+    """Not run here (IPEX needs torch 2.8); IPEX's fused kernels may round differently, not train differently."""
+    runs = {
+        ipex: ti.train(tiny_config(tmp_path, f"ipex-{ipex}", max_train_steps=2, use_ipex=ipex))
+        for ipex in (False, True)
+    }
+    plain, ipex = (load_file(runs[k].learned_embeds_path)["<dicoo>"] for k in (False, True))
+    assert [h["loss"] for h in runs[True].history] == pytest.approx(
+        [h["loss"] for h in runs[False].history], rel=1e-2
+    )
+    assert torch.allclose(ipex, plain, atol=1e-3) and not torch.equal(ipex, torch.zeros_like(ipex))
 
 
 # --- whole runs -------------------------------------------------------------------------------
