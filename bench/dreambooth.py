@@ -1,0 +1,326 @@
+"""DreamBooth-LoRA: seconds per step and peak memory, ours against diffusers' way, side by side.
+
+python -m bench.dreambooth --model sd15-shape --resolution 256 --steps 3   # ~10 min on 2 cores
+python -m bench.dreambooth --model tiny                                   # seconds; checks the code
+
+Both modes train the same LoRA layers (rank ``--rank``) of the same UNet, with prior preservation:
+each step denoises ``--batch`` subject pictures and as many class pictures in one UNet call.
+
+* **ours**: :func:`helpers.dreambooth.training.training_step`, the trainer's own step: latents
+  sampled from the cache (the VAE encoded each picture once and was freed), the two prompts
+  encoded once (frozen text encoder), only the LoRA matrices in AdamW.
+* **reference**: the step of diffusers' ``examples/dreambooth/train_dreambooth_lora.py``, written
+  here: the VAE encodes the batch's pixels and the text encoder the prompts in every step, then the
+  UNet, the two halves' losses, backward, gradient clipping and AdamW over the LoRA matrices.
+
+Speed: both run in one process, interleaved step by step (A B, B A, ...), after warm-up; medians.
+Peak memory: each mode in a fresh child process (ours: the real ``training.train``), the peak RSS
+of the whole process and since the weights were loaded. The bundled subject pictures also serve
+as the class pictures (upscaled to the resolution): the speed and memory of a step depend on the
+shapes, not on what the pictures show, and no class picture has to be generated first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import common
+from helpers import cpu
+
+CLASS_PROMPT, INSTANCE_PROMPT = "a photo of a toy", "a photo of sks toy"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.dreambooth", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="sd15-shape", help="sd15-shape, tiny or a diffusers folder")
+    parser.add_argument("--resolution", type=int, default=None, help="default 256 (64 for tiny)")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="subject pictures per step (as many class pictures)"
+    )
+    parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
+    parser.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
+    parser.add_argument("--no_memory", action="store_true", help="skip the peak-memory child processes")
+    parser.add_argument(
+        "--out", default=None, help="result JSON (default bench/results/dreambooth-<model>-<px>px.json)"
+    )
+    parser.add_argument("--child", choices=("ours", "reference"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.resolution is None:
+        args.resolution = 64 if args.model == "tiny" else 256
+    return args
+
+
+def make_config(args: argparse.Namespace, work: Path, steps: int):
+    """The run both modes train: the bundled pictures as subject and class, prior preservation, LoRA."""
+    from helpers.dreambooth.config import DreamBoothConfig
+
+    pictures = common.concept_dir(args.resolution, work / "pictures")
+    return DreamBoothConfig(
+        pretrained_model_name_or_path=str(common.model_dir(args.model)), instance_data_dir=str(pictures),
+        instance_prompt=INSTANCE_PROMPT, with_prior_preservation=True, class_data_dir=str(pictures),
+        class_prompt=CLASS_PROMPT, num_class_images=len(list(pictures.iterdir())), resolution=args.resolution,
+        train_batch_size=args.batch, rank=args.rank, max_train_steps=steps, checkpointing_steps=10**6,
+        mixed_precision=args.mixed_precision, output_dir=str(work / "out"), seed=common.SEED,
+    )  # fmt: skip
+
+
+def batches(run, n: int) -> list[dict[str, torch.Tensor]]:
+    """The first ``n`` batches of epoch 0, collated as the trainer's loader gives them."""
+    order = list(run.sampler)
+    items = [run.pairs[order[(i * run.config.train_batch_size + k) % len(order)]]
+             for i in range(n) for k in range(run.config.train_batch_size)]  # fmt: skip
+    size = run.config.train_batch_size
+    return [
+        {key: torch.tensor([it[key] for it in items[i * size : (i + 1) * size]]) for key in items[0]}
+        for i in range(n)
+    ]
+
+
+class ReferenceStep:
+    """diffusers' DreamBooth-LoRA step on the run's modules: VAE and text encoder in every step."""
+
+    def __init__(self, run):
+        from diffusers import AutoencoderKL
+
+        from helpers.dreambooth import class_images
+        from helpers.dreambooth.data import ImageViews
+
+        self.run = run
+        config = run.config
+        self.vae = AutoencoderKL.from_pretrained(run.model_dir, subfolder="vae", torch_dtype=cpu.compute_dtype(
+            run.precision.mixed_precision)).eval()  # fmt: skip  # diffusers casts it to the weight dtype
+        self.vae.requires_grad_(False)
+        files = class_images.image_files(config.instance_data_dir)
+        self.views = ImageViews(files, config.resolution)  # subject pictures, then class pictures
+        self.num_instance = len(files)
+        self.optimizer = torch.optim.AdamW(
+            run.params, lr=config.learning_rate, weight_decay=config.adam_weight_decay
+        )
+
+    def __call__(self, batch: dict[str, torch.Tensor], marks: dict[str, float]) -> None:
+        import torch.nn.functional as F
+
+        run, config = self.run, self.run.config
+        marks["start"] = time.perf_counter()
+        views = torch.cat([batch["instance_view"], batch["class_view"]])
+        pixels = torch.stack([self.views.view_pixels(int(v) % self.views.num_views) for v in views])
+        with run.accelerator.autocast():
+            latents = (
+                self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.sample()
+                * self.vae.config.scaling_factor
+            )
+            noise = torch.randn_like(latents)
+            timesteps = torch.randint(0, run.noise_scheduler.config.num_train_timesteps, (latents.shape[0],))
+            noisy = run.noise_scheduler.add_noise(latents, noise, timesteps)
+            ids = torch.cat([run.prompt_ids["instance"].expand(len(batch["index"]), -1),
+                             run.prompt_ids["class"].expand(len(batch["index"]), -1)])  # fmt: skip
+            states = run.text_encoder(ids)[0]
+            pred = run.unet(noisy, timesteps, states).sample
+        pred, pred_prior = torch.chunk(pred, 2, dim=0)
+        target, target_prior = torch.chunk(noise, 2, dim=0)
+        loss = F.mse_loss(pred.float(), target.float()) + config.prior_loss_weight * F.mse_loss(
+            pred_prior.float(), target_prior.float()
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(run.params, config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        marks["end"] = time.perf_counter()
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; return (and write) the results."""
+    threads = cpu.set_threads(args.threads)
+    if args.child:
+        return _child(args)
+    from helpers.dreambooth import training
+
+    with tempfile.TemporaryDirectory(prefix="bench-dreambooth-") as work:
+        run = training.setup_run(make_config(args, Path(work), args.warmup + args.steps))
+        reference = ReferenceStep(run)
+        feed = batches(run, args.warmup + args.steps)
+        marks: dict[str, float] = {}
+
+        def unet_starts(module, args) -> None:  # returns None: the UNet's inputs stay as they are
+            marks.setdefault("unet", time.perf_counter())
+
+        hook = run.unet.register_forward_pre_hook(unet_starts)
+
+        def ours(step: int) -> dict[str, float]:
+            marks.clear()
+            marks["start"] = time.perf_counter()
+            training.training_step(run, feed[step], epoch=0)
+            marks["end"] = time.perf_counter()
+            return _phases(marks)
+
+        def ref(step: int) -> dict[str, float]:
+            marks.clear()
+            reference(feed[step], marks)
+            return _phases(marks)
+
+        with cpu.keep_freed_memory():  # as the trainer's loop does, for both modes
+            results = common.run_interleaved({"ours": ours, "reference": ref}, args.steps, warmup=args.warmup)
+        hook.remove()
+        lora_numel = sum(p.numel() for p in run.params)
+        unet_numel = sum(p.numel() for n, p in run.unet.named_parameters() if ".lora_" not in n)
+    memory = (
+        {} if args.no_memory else {name: _run_child(args, name, threads) for name in ("ours", "reference")}
+    )
+    report = _report(args, threads, results, memory, lora_numel, unet_numel)
+    out = Path(args.out or common.RESULTS / f"dreambooth-{args.model}-{args.resolution}px.json")
+    common.write_json(out, report)
+    print(format_report(report))
+    print(f"wrote {out}")
+    return report
+
+
+def _phases(marks: dict[str, float]) -> dict[str, float]:
+    """``inputs``: until the UNet is called (VAE and text encoder for the reference); ``total``."""
+    return {"inputs": marks["unet"] - marks["start"], "total": marks["end"] - marks["start"]}
+
+
+def _report(args, threads, results, memory, lora_numel: int, unet_numel: int) -> dict[str, Any]:
+    modes = {}
+    for name, steps in results.items():
+        seconds = common.summarize([s["total"] for s in steps])
+        modes[name] = {
+            "seconds_per_step": seconds,
+            "images_per_second": 2 * args.batch / seconds["median"],  # subject + class pictures
+            "inputs_seconds": common.summarize([s["inputs"] for s in steps])["median"],
+            **memory.get(name, {}),
+        }
+    report = {
+        "benchmark": "dreambooth",
+        "model": args.model,
+        "resolution": args.resolution,
+        "batch": args.batch,
+        "rank": args.rank,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": threads,
+        "mixed_precision": args.mixed_precision,
+        "machine": common.machine(),
+        "modes": modes,
+        "speedup": modes["reference"]["seconds_per_step"]["median"]
+        / modes["ours"]["seconds_per_step"]["median"],
+        "lora_parameters": lora_numel,
+        "allreduce_bytes_per_step": lora_numel * 4,
+        "full_unet_allreduce_bytes_per_step": unet_numel * 4,
+    }
+    if memory:
+        report["rss_ratio"] = modes["ours"]["peak_rss_mib"] / modes["reference"]["peak_rss_mib"]
+        report["training_rss_ratio"] = (
+            modes["ours"]["training_peak_rss_mib"] / modes["reference"]["training_peak_rss_mib"]
+        )
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """A plain-text table of a result."""
+    ours, ref = r["modes"]["ours"], r["modes"]["reference"]
+    lines = [
+        f"DreamBooth-LoRA, {r['model']} {r['resolution']} px, {r['batch']} + {r['batch']} pictures per step, "
+        f"rank {r['rank']}, {r['threads']} threads, {r['mixed_precision']}, {r['steps']} steps/mode after "
+        f"{r['warmup']} warm-up (load {r['machine']['load_average'][0]:.2f})",
+        f"{'':32}{'ours':>12}{'reference':>12}",
+    ]
+
+    def row(label: str, a: float, b: float, fmt: str = "{:12.3f}") -> None:
+        lines.append(f"{label:32}" + fmt.format(a) + fmt.format(b))
+
+    row("s/step (median)", ours["seconds_per_step"]["median"], ref["seconds_per_step"]["median"])
+    row("s/step (min)", ours["seconds_per_step"]["min"], ref["seconds_per_step"]["min"])
+    row("  of which VAE + text encoder", ours["inputs_seconds"], ref["inputs_seconds"])
+    row("images/s", ours["images_per_second"], ref["images_per_second"])
+    if "peak_rss_mib" in ours:
+        row("peak RSS, process (MiB)", ours["peak_rss_mib"], ref["peak_rss_mib"], "{:12.0f}")
+        row(
+            "peak RSS, training (MiB)",
+            ours["training_peak_rss_mib"],
+            ref["training_peak_rss_mib"],
+            "{:12.0f}",
+        )
+    lines.append(f"speed-up (reference / ours): {r['speedup']:.2f}x")
+    if "rss_ratio" in r:
+        lines.append(
+            f"peak RSS ours / reference: {r['rss_ratio']:.2f} (process), {r['training_rss_ratio']:.2f} (training)"
+        )
+    lines.append(
+        f"LoRA: {r['lora_parameters']:,} parameters, {r['allreduce_bytes_per_step']:,} bytes all-reduced per step "
+        f"(the whole UNet: {r['full_unet_allreduce_bytes_per_step']:,})"
+    )
+    return "\n".join(lines)
+
+
+# --- peak memory, one fresh process per mode --------------------------------------------------
+
+
+def _run_child(args: argparse.Namespace, mode: str, threads: int) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "bench.dreambooth", "--child", mode, "--model", args.model]
+    cmd += ["--resolution", str(args.resolution), "--batch", str(args.batch), "--rank", str(args.rank)]
+    cmd += ["--threads", str(threads), "--steps", str(min(args.steps, 2)), "--warmup", str(args.warmup)]
+    cmd += ["--mixed_precision", args.mixed_precision]
+    proc = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory child {mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _child(args: argparse.Namespace) -> dict[str, float]:
+    """Peak RSS of one mode in a fresh process: ours is the real ``training.train``.
+
+    The peak-RSS mark is reset once the weights are loaded (for ours, in the trainer's setup just
+    before the latents are cached, which counts as training).
+    """
+    from helpers import models
+    from helpers.dreambooth import training
+
+    steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="bench-dreambooth-child-") as work:
+        config = make_config(args, Path(work), steps)
+        if args.child == "ours":
+            original = models.load_components
+
+            def load_then_reset(*a, **k):
+                parts = original(*a, **k)
+                common.reset_peak_rss()
+                return parts
+
+            models.load_components = load_then_reset
+            result = training.train(config)
+            seconds = [h["seconds"] for h in result.history][args.warmup :]
+        else:
+            run = training.setup_run(config)
+            reference = ReferenceStep(run)
+            common.reset_peak_rss()
+            seconds = []
+            with cpu.keep_freed_memory():
+                for batch in batches(run, steps):
+                    marks: dict[str, float] = {"unet": 0.0}
+                    reference(batch, marks)
+                    seconds.append(marks["end"] - marks["start"])
+            seconds = seconds[args.warmup :]
+    out = {
+        "child_seconds_per_step": common.summarize(seconds)["median"],
+        "peak_rss_mib": common.peak_rss_mib(),
+        "training_peak_rss_mib": common.peak_rss_since_reset_mib(),
+    }
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main(parse_args())
