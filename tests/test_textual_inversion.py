@@ -502,3 +502,11 @@ def test_threads_default_shares_the_cores_of_a_node(monkeypatch):
         assert cpu.set_threads() == cpu.physical_cores()
     finally:
         torch.set_num_threads(before)
+
+
+def test_keyed_draws_accept_every_seed_the_settings_allow():
+    key = (3 * 1_000_003 + 1) * 1_000_033 + 2
+    assert ti.sample_generator(3, 1, 2).initial_seed() == key  # small seeds: the key itself, unchanged
+    largest = ti.sample_generator(2**32 - 1, 10_000, 999).initial_seed()  # the schema's largest seed
+    assert largest == (((2**32 - 1) * 1_000_003 + 10_000) * 1_000_033 + 999) % 2**64
+    assert list(ti.EpochSampler(5, 2**32 - 1)) != list(ti.EpochSampler(5, 2**32 - 2))

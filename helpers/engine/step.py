@@ -20,6 +20,8 @@ from helpers.engine import TrainingDivergedError
 
 # --- data and latents --------------------------------------------------------------------------
 
+SEED_SPACE = 2**64  # torch seeds are unsigned 64-bit: keys of large seeds wrap, smaller keys are unchanged
+
 
 class EpochSampler(torch.utils.data.Sampler[int]):
     """A seeded shuffle that is the same on every process and changes with the epoch."""
@@ -28,7 +30,7 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         self.length, self.seed, self.epoch = length, seed, 0
 
     def __iter__(self) -> Iterator[int]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % SEED_SPACE)
         return iter(torch.randperm(self.length, generator=gen).tolist())
 
     def __len__(self) -> int:
@@ -65,7 +67,7 @@ def cache_latents(
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """The generator of one sample's random draws, keyed so any split of the work agrees."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + index)
+    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 1_000_033 + index) % SEED_SPACE)
 
 
 def draw_sample_noise(
