@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
     parser.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
     parser.add_argument("--no_memory", action="store_true", help="skip the peak-memory child processes")
+    parser.add_argument("--class_image", action="store_true",
+                        help="also time drawing one class picture (25 DPM-Solver++ steps, guidance 7.5)")  # fmt: skip
     parser.add_argument(
         "--out", default=None, help="result JSON (default bench/results/dreambooth-<model>-<px>px.json)"
     )
@@ -146,6 +148,22 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     threads = cpu.set_threads(args.threads)
     if args.child:
         return _child(args)
+    results, lora_numel, unet_numel = _timed(args)  # the models are freed before the children start
+    memory = (
+        {} if args.no_memory else {name: _run_child(args, name, threads) for name in ("ours", "reference")}
+    )
+    report = _report(args, threads, results, memory, lora_numel, unet_numel)
+    if args.class_image:
+        report["class_image_seconds"] = class_image_seconds(args)
+    out = Path(args.out or common.RESULTS / f"dreambooth-{args.model}-{args.resolution}px.json")
+    common.write_json(out, report)
+    print(format_report(report))
+    print(f"wrote {out}")
+    return report
+
+
+def _timed(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, float]]], int, int]:
+    """Both modes on one run's modules, interleaved; also the LoRA's and the UNet's sizes."""
     from helpers.dreambooth import training
 
     with tempfile.TemporaryDirectory(prefix="bench-dreambooth-") as work:
@@ -154,10 +172,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         feed = batches(run, args.warmup + args.steps)
         marks: dict[str, float] = {}
 
-        def unet_starts(module, args) -> None:  # returns None: the UNet's inputs stay as they are
+        def unet_starts(module, inputs) -> None:  # returns None: the UNet's inputs stay as they are
             marks.setdefault("unet", time.perf_counter())
-
-        hook = run.unet.register_forward_pre_hook(unet_starts)
 
         def ours(step: int) -> dict[str, float]:
             marks.clear()
@@ -171,20 +187,29 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             reference(feed[step], marks)
             return _phases(marks)
 
+        hook = run.unet.register_forward_pre_hook(unet_starts)
         with cpu.keep_freed_memory():  # as the trainer's loop does, for both modes
             results = common.run_interleaved({"ours": ours, "reference": ref}, args.steps, warmup=args.warmup)
         hook.remove()
         lora_numel = sum(p.numel() for p in run.params)
         unet_numel = sum(p.numel() for n, p in run.unet.named_parameters() if ".lora_" not in n)
-    memory = (
-        {} if args.no_memory else {name: _run_child(args, name, threads) for name in ("ours", "reference")}
-    )
-    report = _report(args, threads, results, memory, lora_numel, unet_numel)
-    out = Path(args.out or common.RESULTS / f"dreambooth-{args.model}-{args.resolution}px.json")
-    common.write_json(out, report)
-    print(format_report(report))
-    print(f"wrote {out}")
-    return report
+        run.accelerator.end_training()
+    return results, lora_numel, unet_numel
+
+
+def class_image_seconds(args: argparse.Namespace) -> float:
+    """Seconds to draw one class picture at the resolution, as the trainer draws them (after a warm-up picture)."""
+    from helpers.dreambooth import class_images
+
+    with tempfile.TemporaryDirectory(prefix="bench-dreambooth-class-") as work:
+        config = make_config(args, Path(work), 1).replace(class_data_dir=str(Path(work) / "class"))
+        pipe = class_images.class_pipeline(
+            common.model_dir(args.model), cpu.compute_dtype(args.mixed_precision)
+        )
+        class_images.draw_class_images(config.replace(class_num_inference_steps=1), pipe, [0])  # warm-up
+        start = time.perf_counter()
+        class_images.draw_class_images(config, pipe, [1])
+        return time.perf_counter() - start
 
 
 def _phases(marks: dict[str, float]) -> dict[str, float]:
@@ -258,6 +283,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(
             f"peak RSS ours / reference: {r['rss_ratio']:.2f} (process), {r['training_rss_ratio']:.2f} (training)"
         )
+    if "class_image_seconds" in r:
+        lines.append(f"one class picture (25 steps, guidance 7.5): {r['class_image_seconds']:.1f} s")
     lines.append(
         f"LoRA: {r['lora_parameters']:,} parameters, {r['allreduce_bytes_per_step']:,} bytes all-reduced per step "
         f"(the whole UNet: {r['full_unet_allreduce_bytes_per_step']:,})"

@@ -455,3 +455,20 @@ def test_two_processes_batch_1_equal_one_process_batch_2(process_runs):
     same = _relative_difference(_lora_updates(runs["mpirun"]), single)
     half = _relative_difference(_lora_updates(runs["half"]), single)
     assert same < 0.05 and half > 10 * same, (same, half)
+
+
+# --- the benchmark's code paths (numbers are bench/'s business) ---------------------------------------
+
+
+def test_benchmark_runs_both_steps_on_the_tiny_model(tmp_path):
+    from bench import dreambooth as bench
+
+    report = bench.main(bench.parse_args(["--model", "tiny", "--steps", "1", "--warmup", "0", "--no_memory",
+                                          "--out", str(tmp_path / "b.json")]))  # fmt: skip
+    assert json.loads((tmp_path / "b.json").read_text()) == json.loads(json.dumps(report))
+    assert set(report["modes"]) == {"ours", "reference"} and report["resolution"] == 64
+    parts = models.load_components("tiny")
+    lora.add_lora(parts.unet, None, rank=4)
+    assert report["lora_parameters"] == sum(p.numel() for _, p in lora.lora_parameters(parts.unet))
+    assert report["allreduce_bytes_per_step"] == 4 * report["lora_parameters"]
+    assert "speed-up (reference / ours)" in bench.format_report(report)

@@ -208,7 +208,7 @@ def write_outputs(run: Run, global_step: int, history: list[dict]) -> dict[str, 
         "train_text_encoder": config.train_text_encoder,
         "with_prior_preservation": run.prior,
         "class_images": None if made is None else {
-            "existing": made.existing, "generated": made.generated, "seconds": made.seconds},
+            "existing": made.existing, "generated": made.generated, "seconds": round(made.seconds, 2)},
         "trainable_parameters": sum(p.numel() for p in run.params),
         "lora_weights_bytes": lora_path(run).stat().st_size,
         "allreduce_bytes_per_step": run.averager.bytes // max(run.averager.calls, 1),
