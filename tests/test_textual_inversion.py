@@ -384,6 +384,17 @@ def test_bf16_run_keeps_the_saved_unet_fp32_and_untouched(tmp_path, monkeypatch)
     )
 
 
+def test_one_process_can_train_in_bf16_then_fp32():
+    """A notebook kernel or a test session may run a bf16 run and then an fp32 one: accelerate's
+    process-wide state would refuse the second precision, so each run starts from a clean state."""
+    from helpers.engine.setup import make_accelerator
+
+    first = make_accelerator(cpu.choose_precision("bf16"), gradient_accumulation_steps=2)
+    assert (first.mixed_precision, first.gradient_accumulation_steps) == ("bf16", 2)
+    second = make_accelerator(cpu.choose_precision("no"), gradient_accumulation_steps=1)
+    assert (second.mixed_precision, second.gradient_accumulation_steps) == ("no", 1)
+
+
 def test_resume_equals_uninterrupted(two_vector_run, tmp_path):
     cfg, result = two_vector_run
     # A run killed after step 4 restarts from its checkpoint in a fresh process state.

@@ -41,6 +41,7 @@ from helpers.dreambooth import class_images, saving
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import DreamBoothPairs, ImageViews
 from helpers.dreambooth.lora import add_lora
+from helpers.engine.setup import make_accelerator
 from helpers.errors import InputError
 from helpers.outputs import SAMPLES, SUMMARY
 from helpers.textual_inversion import EpochSampler, cache_latents, draw_batch, resolve_checkpoint
@@ -222,11 +223,7 @@ def setup_run(config: DreamBoothConfig) -> Run:
     started = time.perf_counter()
     model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
     precision = cpu.choose_precision(config.mixed_precision)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        mixed_precision=precision.mixed_precision,
-        cpu=True,
-    )
+    accelerator = make_accelerator(precision, config.gradient_accumulation_steps)
     cpu.set_threads()
     logger.info(f"precision: {precision.reason}", main_process_only=True)
     if precision.warning:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.state import AcceleratorState, GradientState
 
 from helpers import cpu, data, models, supervise
 from helpers.config import TrainConfig
@@ -68,6 +69,25 @@ class Run:
         return self.parts.vectors
 
 
+def make_accelerator(precision: cpu.PrecisionChoice, gradient_accumulation_steps: int) -> Accelerator:
+    """accelerate's ``Accelerator`` on the CPU with this run's precision, in any process.
+
+    accelerate keeps one state per process and refuses a second ``Accelerator`` with another
+    precision ("AcceleratorState has already been initialized"). A second run in the same single
+    process (a notebook kernel that trains twice, a test session) asks for that, for example bf16
+    chosen by ``auto`` and then ``no``. Without a process group there is nothing in that state to
+    keep, so it is cleared first; in a multi-process job (process group up) it is left alone.
+    """
+    if not torch.distributed.is_initialized():
+        AcceleratorState._reset_state(reset_partial_state=True)  # public API has no other way
+        GradientState._reset_state()
+    return Accelerator(
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        mixed_precision=precision.mixed_precision,
+        cpu=True,
+    )
+
+
 def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     """Load the modules, add the tokens, cache the latents, build optimizer, loader and schedule.
 
@@ -77,11 +97,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
         tokenizer: its tokenizer (the placeholder tokens are added to it).
     """
     precision = cpu.choose_precision(config.mixed_precision)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        mixed_precision=precision.mixed_precision,
-        cpu=True,
-    )
+    accelerator = make_accelerator(precision, config.gradient_accumulation_steps)
     # Every rank has read the output folder's state (check_inputs) before the main process
     # changes it (prepare_output_dir). Starting the process group usually waits for all ranks
     # anyway; under Ray Train the group exists before train() is called, so wait here.
