@@ -429,19 +429,36 @@ def select_backend() -> str:
     return "ccl"
 
 
+BACKEND_ENV = "WORKSHOP_BACKEND"  # set by job_env for every rank: the backend the launcher chose
+
+
 def init_backend(backend: str | None = None) -> str:
     """Start the process group with ``backend`` before accelerate does, where accelerate cannot.
 
     accelerate 1.15 always starts ``gloo`` on CPUs. For ``ccl`` this starts the group first
-    (accelerate then reuses it); for ``gloo`` it does nothing. Call it before ``Accelerator()``.
-    The ``ccl`` path is untested here (the bindings are not installable).
+    (accelerate then reuses it); for ``gloo`` it does nothing. The trainers call it just before
+    ``Accelerator()`` (:func:`helpers.engine.setup.make_accelerator`), with the backend the launcher
+    put in every rank's environment (``WORKSHOP_BACKEND``, from :func:`job_env`); a process
+    started without a launcher uses ``gloo``. The ``ccl`` path is untested here (the bindings are
+    not installable).
+
+    Args:
+        backend: ``"gloo"`` or ``"ccl"`` (default: ``$WORKSHOP_BACKEND``, else ``"gloo"``).
 
     Returns:
         The backend in use.
     """
-    backend = backend or select_backend()
+    backend = backend or os.environ.get(BACKEND_ENV) or "gloo"
     if backend == "ccl":
         import torch.distributed as dist
+
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401  # registers the ccl backend with torch
+        except ImportError as e:
+            raise DistributedError(
+                f"backend 'ccl' ({BACKEND_ENV}) needs oneccl_bindings_for_pytorch, which does not import "
+                f"on {socket.gethostname()} ({e}): install it on every node, or launch with gloo"
+            ) from e
 
         if not dist.is_initialized():
             rank = int(
@@ -455,6 +472,8 @@ def init_backend(backend: str | None = None) -> str:
                 or os.environ.get("OMPI_COMM_WORLD_SIZE", 1)
             )
             dist.init_process_group("ccl", rank=rank, world_size=size)
+    elif backend != "gloo":
+        raise DistributedError(f"{BACKEND_ENV}={backend!r}: use 'gloo' or 'ccl'")
     return backend
 
 
@@ -470,6 +489,7 @@ def job_env(layout: ClusterLayout, backend: str = "gloo") -> dict[str, str]:
         "MASTER_PORT": str(layout.main_process_port),
         "OMP_NUM_THREADS": str(layout.threads_per_process),
         "PYTHONUNBUFFERED": "1",  # rank output arrives as it is written, not at exit
+        BACKEND_ENV: backend,  # init_backend, in every rank, starts this one
     }
     if layout.network_interface:
         env["GLOO_SOCKET_IFNAME"] = layout.network_interface

@@ -170,7 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: all, in order)")
     parser.add_argument("--out", default="build", help="folder for executed notebooks and handouts")
-    parser.add_argument("--html", action="store_true", help="also write offline HTML handouts (helpers.handouts)")
+    parser.add_argument(
+        "--html", action="store_true", help="also write offline HTML handouts (helpers.handouts)"
+    )
     return parser.parse_args(argv)
 
 

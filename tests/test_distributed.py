@@ -237,13 +237,29 @@ def test_detect_rejects_a_program_that_is_not_mpi():
         d.detect_mpi_flavour(shutil.which("python3") or sys.executable)
 
 
+def test_ranks_start_the_backend_the_launcher_put_in_their_environment(monkeypatch):
+    """init_backend (called by both trainers before Accelerator()) reads WORKSHOP_BACKEND: gloo
+    is left to accelerate; ccl without its bindings and an unknown name are one clear error."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv(d.BACKEND_ENV, raising=False)
+    assert d.init_backend() == "gloo" and not dist.is_initialized()
+    monkeypatch.setenv(d.BACKEND_ENV, "ccl")
+    with pytest.raises(d.DistributedError, match="needs oneccl_bindings_for_pytorch, which does not import"):
+        d.init_backend()
+    assert not dist.is_initialized()
+    monkeypatch.setenv(d.BACKEND_ENV, "nccl")
+    with pytest.raises(d.DistributedError, match="WORKSHOP_BACKEND='nccl': use 'gloo' or 'ccl'"):
+        d.init_backend()
+
+
 def test_backend_is_gloo_here_and_env_is_explicit():
     assert d.select_backend() == "gloo"  # oneccl_bindings_for_pytorch is not installable here
     layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=6, network_interface="eth1")
     env = d.job_env(layout)
     assert env == {
         "MASTER_ADDR": "node1", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "6",
-        "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth1",
+        "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth1", "WORKSHOP_BACKEND": "gloo",
     }  # fmt: skip
     assert {"CCL_WORKER_COUNT", "CCL_ATL_TRANSPORT", "FI_TCP_IFACE"} <= set(d.job_env(layout, "ccl"))
     with pytest.raises(d.DistributedError, match="backend='nccl'"):
@@ -416,5 +432,7 @@ def test_notebook_03_records(notebook_records, notebook_run_dir):
         load_config_from_file(str(notebook_run_dir / "accelerate_configs" / "example-cluster" / name))
         for name in r["example_cluster_files"]
     ]
-    assert [(c.machine_rank, c.num_machines, c.num_processes) for c in example] == [(k, 3, 6) for k in range(3)]
+    assert [(c.machine_rank, c.num_machines, c.num_processes) for c in example] == [
+        (k, 3, 6) for k in range(3)
+    ]
     assert {c.main_process_ip for c in example} == {"10.42.1.4"}

@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("row", estimates.MEASURED, ids=lambda r: f"{r.resolution}px-{r.precision}")
 def test_every_measured_row_is_its_benchmark_result(row):
     result = json.loads((ROOT / row.source).read_text())
-    assert (result["model"], result["resolution"], result["batch"]) == ("sd15-shape", row.resolution, row.batch)
+    assert (result["model"], result["resolution"], result["batch"]) == (
+        "sd15-shape",
+        row.resolution,
+        row.batch,
+    )
     assert result["mixed_precision"] == row.precision and result["threads"] == row.physical_cores
     assert round(result["modes"]["ours"]["seconds_per_step"]["median"], 2) == row.seconds_per_step
     assert row.cpu.startswith(result["machine"]["cpu"])
@@ -53,7 +57,10 @@ def test_cluster_time_spreads_notebook_02s_images_over_every_process():
     assert two.basis.precision == "no"  # Dv5 may land on Ice Lake: fp32 is the safe estimate
     # 1000 images over 4 processes = 250 steps; over 2 = 500; each process gets 4 vCPU / 2 = 2 cores
     assert two.seconds == pytest.approx(250 * two.seconds_per_step)
-    assert one.seconds == pytest.approx(500 * one.seconds_per_step) and one.seconds_per_step == two.seconds_per_step
+    assert (
+        one.seconds == pytest.approx(500 * one.seconds_per_step)
+        and one.seconds_per_step == two.seconds_per_step
+    )
     assert "measured on another CPU than Xeon Platinum" in two.scaling
     assert estimates.cluster_time("Standard_D16s_v6", 1).basis.precision == "bf16"  # Emerald Rapids: AMX
     with pytest.raises(ValueError, match="not an Azure size name"):

@@ -18,7 +18,8 @@ from helpers.notebooks import RECORD_MIME
 
 NOTEBOOKS = notebooks.notebook_paths()
 needs_chromium = pytest.mark.skipif(
-    handouts.find_chromium() is None, reason="Chromium is not installed (`make system-packages` installs it as root)"
+    handouts.find_chromium() is None,
+    reason="Chromium is not installed (`make system-packages` installs it as root)",
 )
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
 # Any URL a page would load by itself: scripts, styles, images, frames.
@@ -36,7 +37,11 @@ def _attachment_svg(nb: dict, index: int, name: str) -> str:
 
 def test_every_diagram_source_is_shown_by_a_notebook():
     shown = {name for nb in NOTEBOOKS for _, name in handouts.diagram_refs(json.loads(nb.read_text()))}
-    assert shown == {p.stem for p in handouts.DIAGRAM_DIR.glob("*.dot")} == {"textual_inversion", "data_parallel"}
+    assert (
+        shown
+        == {p.stem for p in handouts.DIAGRAM_DIR.glob("*.dot")}
+        == {"textual_inversion", "data_parallel"}
+    )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -49,7 +54,9 @@ def test_no_diagram_needs_a_renderer_plugin(path: Path):
         drawn = {html.unescape(t) for t in re.findall(r"<text\b[^>]*>([^<]*)</text>", svg)}
         labels = _diagram_labels(handouts.DIAGRAM_DIR / f"{name}.dot")
         assert len(labels) >= 6
-        assert [label for label in labels if label.replace('\\"', '"') not in drawn] == []  # the committed source
+        assert [
+            label for label in labels if label.replace('\\"', '"') not in drawn
+        ] == []  # the committed source
 
 
 @needs_dot
@@ -57,7 +64,9 @@ def test_stored_diagrams_are_the_current_rendering(tmp_path):
     for path in NOTEBOOKS:
         copy = tmp_path / path.name
         shutil.copy(path, copy)
-        assert handouts.render_diagrams(copy) == [], f"{path.name}: run `python -m helpers.handouts --diagrams`"
+        assert handouts.render_diagrams(copy) == [], (
+            f"{path.name}: run `python -m helpers.handouts --diagrams`"
+        )
         assert copy.read_bytes() == path.read_bytes()
 
 
@@ -75,7 +84,9 @@ def _widget_state(model_id: str, label: str, value: int, total: int, numbers: st
 
 def _executed_notebook() -> dict:
     view = "application/vnd.jupyter.widget-view+json"
-    state = _widget_state("bar1", "textual inversion:", 200, 200, "&nbsp;200/200 [00:14&lt;00:00, 13.9step/s]")
+    state = _widget_state(
+        "bar1", "textual inversion:", 200, 200, "&nbsp;200/200 [00:14&lt;00:00, 13.9step/s]"
+    )
     return {
         "nbformat": 4, "nbformat_minor": 5,
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
@@ -134,7 +145,9 @@ def test_chromium_offline_draws_the_diagram_and_prints_a_pdf(tmp_path):
     nb = json.loads(NOTEBOOKS[1].read_text())
     nb["cells"] = nb["cells"][:1]  # the introduction with the Textual Inversion diagram
     broken = json.loads(json.dumps(nb))
-    broken["cells"][0]["attachments"]["textual_inversion.svg"]["image/svg+xml"] = base64.b64encode(b"<svg").decode()
+    broken["cells"][0]["attachments"]["textual_inversion.svg"]["image/svg+xml"] = base64.b64encode(
+        b"<svg"
+    ).decode()
     shots = {}
     for name, content in {"ok": nb, "broken": broken}.items():
         (tmp_path / f"{name}.ipynb").write_text(json.dumps(nb if name == "ok" else content))
@@ -166,7 +179,9 @@ def test_executed_handout_is_offline_and_quiet(path: Path, notebook_records, not
     executed = json.loads((notebook_run_dir / path.name).read_text())
     streams = [o for c in executed["cells"] for o in c.get("outputs", []) if o["output_type"] == "stream"]
     assert [o for o in streams if "\r" in "".join(o["text"])] == []  # progress bars: their last line only
-    html = handouts.export_html(notebook_run_dir / path.name, notebook_run_dir / f"{path.stem}.html").read_text()
+    html = handouts.export_html(
+        notebook_run_dir / path.name, notebook_run_dir / f"{path.stem}.html"
+    ).read_text()
     assert REMOTE_LOAD.findall(html) == []
     text = re.sub(r"<[^>]+>", " ", html)
     assert [n for n in NOISE if n in text] == []

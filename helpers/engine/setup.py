@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
 
-from helpers import cpu, data, models, supervise
+from helpers import cpu, data, distributed, models, supervise
 from helpers.config import TrainConfig
 from helpers.engine.rows import (
     EmbeddingHook,
@@ -77,7 +77,9 @@ def make_accelerator(precision: cpu.PrecisionChoice, gradient_accumulation_steps
     process (a notebook kernel that trains twice, a test session) asks for that, for example bf16
     chosen by ``auto`` and then ``no``. Without a process group there is nothing in that state to
     keep, so it is cleared first; in a multi-process job (process group up) it is left alone.
+    The process group's backend is the one the launcher chose (:func:`helpers.distributed.init_backend`).
     """
+    distributed.init_backend()
     if not torch.distributed.is_initialized():
         AcceleratorState._reset_state(reset_partial_state=True)  # public API has no other way
         GradientState._reset_state()
