@@ -47,7 +47,7 @@ from typing import TextIO
 
 import psutil
 
-from helpers import distributed, ray_launch, supervise
+from helpers import distributed, errors, ray_launch, supervise
 from helpers.distributed import ClusterLayout, LaunchCommand
 
 logger = logging.getLogger(__name__)
@@ -614,8 +614,8 @@ def main(args: argparse.Namespace) -> int:
         layout = layout_from_args(args)
         commands = prepare_job(layout, args.train_args, args.launcher, work_dir=args.work_dir, mpirun=args.mpirun,
                                num_nodes=args.num_nodes or 1, ray_address=args.ray_address, module=args.module)  # fmt: skip
-    except ValueError as err:  # DistributedError, ConfigError: bad input, nothing started
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, *errors.INPUT_ERRORS) as err:  # DistributedError, ConfigError: nothing started
+        print(f"error: {errors.one_line(err)}", file=sys.stderr)
         return 2
     if args.dry_run:
         for cmd in commands:
