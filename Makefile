@@ -24,9 +24,10 @@ $(VENV)/.setup-done: requirements.txt requirements-nodeps.txt pyproject.toml
 	touch $@
 
 # Debian programs some tests need: Open MPI and MPICH (the launcher with each MPI flavour),
-# Chromium (handouts opened in a real browser, PDF handouts), Graphviz (the diagrams' sources).
+# Chromium (handouts opened in a real browser, PDF handouts), Graphviz (the diagrams' sources),
+# sshd and ip (two "hosts" made of network namespaces, tests/test_netns.py).
 # Installed when missing if this is root with apt-get; otherwise those tests skip and say why.
-DEBIAN_PACKAGES := openmpi-bin mpich chromium graphviz
+DEBIAN_PACKAGES := openmpi-bin mpich chromium graphviz openssh-server iproute2
 system-packages:
 	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then exit 0; fi; \
