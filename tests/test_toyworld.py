@@ -233,3 +233,19 @@ def test_before_training_the_new_word_is_not_pip(tmp_path):
     path = evaluate.initial_embeds("toyworld", "<pip>", "toy", tmp_path / "initial.safetensors")
     report = evaluate.concept_report("toyworld", "a photo of <pip>", path, num_images=8, seed=0)
     assert len(report.images) == 8 and report.concept_score <= 0.2
+
+
+def test_the_shipped_generator_puts_a_toy_where_the_caption_says():
+    """Every place word steers the picture: 8 toys per place, fixed seeds, the judge names the
+    place of at least 6 of them. (An earlier build drew sky for "on the grass" in 6 of 8.)"""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(models.resolve_model("toyworld"), safety_checker=None)
+    judge = load_judge(models.resolve_model("toyworld"))
+    toys = [("red", "ball"), ("yellow", "car"), ("blue", "robot"), ("pink", "bear"),
+            ("purple", "duck"), ("teal", "car"), ("red", "duck"), ("blue", "ball")]  # fmt: skip
+    for place, words in (("grass", "on the grass"), ("sky", "in the sky"), ("table", "on the table"),
+                         ("blanket", "on the blanket")):  # fmt: skip
+        images = evaluate.generate_images(pipe, [f"a photo of a {c} {k} {words}" for c, k in toys], seed=0)
+        judged = evaluate.concept_scores(judge, images)["backgrounds"]
+        assert judged.count(place) >= 6, (place, judged)

@@ -151,9 +151,11 @@ def _background(kind: str, n: int, rng: random.Random) -> tuple[Image.Image, flo
         d.line((0, top, n, top), fill=(110, 70, 40), width=max(1, n // 60))
         return img, 0.8
     if kind == "grass":
-        img = _gradient((160, 208, 248), (220, 238, 250), n)
+        # A meadow under a hazy green treeline, no blue: with half a sky above the grass (an
+        # earlier build) the generator learned "grass" as a kind of "sky" and drew sky for it.
+        img = _gradient((104, 140, 76), (150, 186, 104), n)
         d = ImageDraw.Draw(img)
-        top = int(n * 0.5)
+        top = int(n * 0.3)
         d.rectangle((0, top, n, n), fill=(96, 176, 60))
         for _ in range(160):  # blades
             x, y, g = rng.uniform(0, n), rng.uniform(top, n), rng.randint(120, 200)
