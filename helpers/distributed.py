@@ -17,8 +17,9 @@ Choices, measured on the development machines (reasons in docs/architecture.md):
   MPI accelerate reads the rank from ``PMI_RANK``/``OMPI_COMM_WORLD_RANK`` but still needs the
   address, and would otherwise set one thread per process.
 
-Not testable here: runs on several real machines (tests run several "nodes" on localhost through
-a stand-in for ssh), oneCCL, network interfaces other than loopback.
+Tested across real interfaces on one machine: two "hosts" made of network namespaces, each with
+its own sshd and two links, train through mpirun and torchrun over the interface the layout names
+(``tests/test_netns.py``). Not testable here: several real machines and oneCCL.
 """
 
 from __future__ import annotations
