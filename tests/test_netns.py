@@ -2,9 +2,10 @@
 
 Each host is a Linux network namespace with two links to the other: ``mgmt0`` (10.78.0.x, where
 its own sshd listens; ssh is the only thing on it) and ``data0`` (10.77.0.x, the job's network).
-The namespaces share this machine's hostname, and that name does not resolve inside them, so
-gloo's default (the address of the hostname) cannot work: the job only runs when the launcher
-passes the interface the nodes talk over, as on a VM with several NICs. ssh checks host keys
+The namespaces share this machine's hostname, which resolves to 127.0.0.1 here: inside each
+namespace its own loopback, which the other host cannot reach, so gloo's default (the address
+of the hostname) would not connect them. The launcher passes the interface the nodes talk over,
+as on a VM with several NICs, and the test measures that the job's bytes went over it. ssh checks host keys
 against a known_hosts file written here (``StrictHostKeyChecking yes``), with keys made for the
 test, through an ssh config placed first on ``PATH`` for the launcher and the MPI it starts.
 
