@@ -191,6 +191,41 @@ def summarize(seconds: list[float]) -> dict[str, float]:
     }
 
 
+def rss_ratios(ours: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
+    """Peak RSS of ours over the reference's: the whole process, and since the weights were loaded."""
+    return {
+        "rss_ratio": ours["peak_rss_mib"] / reference["peak_rss_mib"],
+        "training_rss_ratio": ours["training_peak_rss_mib"] / reference["training_peak_rss_mib"],
+    }
+
+
+def side_by_side(label: str, ours: float, reference: float, width: int, fmt: str = "{:12.3f}") -> str:
+    """One row of a plain-text "ours, reference" table, the label padded to ``width``."""
+    return f"{label:{width}}" + fmt.format(ours) + fmt.format(reference)
+
+
+def memory_lines(report: dict[str, Any], width: int) -> list[str]:
+    """The peak-RSS rows of a side-by-side table and the ratio line, if memory was measured."""
+    ours, ref = report["modes"]["ours"], report["modes"]["reference"]
+    if "peak_rss_mib" not in ours:
+        return []
+    keys = {"process": "peak_rss_mib", "training": "training_peak_rss_mib"}
+    return [
+        side_by_side(f"peak RSS, {what} (MiB)", ours[k], ref[k], width, "{:12.0f}")
+        for what, k in keys.items()
+    ]
+
+
+def rss_ratio_line(report: dict[str, Any]) -> list[str]:
+    """The line comparing peak RSS (ours / reference), if memory was measured."""
+    if "rss_ratio" not in report:
+        return []
+    return [
+        f"peak RSS ours / reference: {report['rss_ratio']:.2f} (process), "
+        f"{report['training_rss_ratio']:.2f} (training)"
+    ]
+
+
 def write_json(path: str | os.PathLike, value: Any) -> Path:
     """Write JSON atomically (temporary name, then rename)."""
     return write_text_atomic(path, json.dumps(value, indent=2, default=str) + "\n")

@@ -246,10 +246,7 @@ def _report(args, threads, results, memory, lora_numel: int, unet_numel: int) ->
         "full_unet_allreduce_bytes_per_step": unet_numel * 4,
     }
     if memory:
-        report["rss_ratio"] = modes["ours"]["peak_rss_mib"] / modes["reference"]["peak_rss_mib"]
-        report["training_rss_ratio"] = (
-            modes["ours"]["training_peak_rss_mib"] / modes["reference"]["training_peak_rss_mib"]
-        )
+        report.update(common.rss_ratios(modes["ours"], modes["reference"]))
     return report
 
 
@@ -263,26 +260,16 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'':32}{'ours':>12}{'reference':>12}",
     ]
 
-    def row(label: str, a: float, b: float, fmt: str = "{:12.3f}") -> None:
-        lines.append(f"{label:32}" + fmt.format(a) + fmt.format(b))
+    def row(label: str, a: float, b: float) -> None:
+        lines.append(common.side_by_side(label, a, b, 32))
 
     row("s/step (median)", ours["seconds_per_step"]["median"], ref["seconds_per_step"]["median"])
     row("s/step (min)", ours["seconds_per_step"]["min"], ref["seconds_per_step"]["min"])
     row("  of which VAE + text encoder", ours["inputs_seconds"], ref["inputs_seconds"])
     row("images/s", ours["images_per_second"], ref["images_per_second"])
-    if "peak_rss_mib" in ours:
-        row("peak RSS, process (MiB)", ours["peak_rss_mib"], ref["peak_rss_mib"], "{:12.0f}")
-        row(
-            "peak RSS, training (MiB)",
-            ours["training_peak_rss_mib"],
-            ref["training_peak_rss_mib"],
-            "{:12.0f}",
-        )
+    lines += common.memory_lines(r, 32)
     lines.append(f"speed-up (reference / ours): {r['speedup']:.2f}x")
-    if "rss_ratio" in r:
-        lines.append(
-            f"peak RSS ours / reference: {r['rss_ratio']:.2f} (process), {r['training_rss_ratio']:.2f} (training)"
-        )
+    lines += common.rss_ratio_line(r)
     if "class_image_seconds" in r:
         lines.append(f"one class picture (25 steps, guidance 7.5): {r['class_image_seconds']:.1f} s")
     lines.append(

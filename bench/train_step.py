@@ -148,8 +148,7 @@ def _report(args, threads, flops, onednn, gemm_peak, results, memory) -> dict[st
         "reference_fraction_of_flop_bound": bound / ref["seconds_per_step"]["median"],
     }
     if memory:
-        report["rss_ratio"] = ours["peak_rss_mib"] / ref["peak_rss_mib"]
-        report["training_rss_ratio"] = ours["training_peak_rss_mib"] / ref["training_peak_rss_mib"]
+        report.update(common.rss_ratios(ours, ref))
     return report
 
 
@@ -164,19 +163,12 @@ def format_report(r: dict[str, Any]) -> str:
     ]
 
     def row(label: str, a: float, b: float, fmt: str = "{:12.3f}") -> None:
-        lines.append(f"{label:28}" + fmt.format(a) + fmt.format(b))
+        lines.append(common.side_by_side(label, a, b, 28, fmt))
 
     row("s/step (median)", ours["seconds_per_step"]["median"], ref["seconds_per_step"]["median"])
     row("s/step (min)", ours["seconds_per_step"]["min"], ref["seconds_per_step"]["min"])
     row("images/s", ours["images_per_second"], ref["images_per_second"])
-    if "peak_rss_mib" in ours:
-        row("peak RSS, process (MiB)", ours["peak_rss_mib"], ref["peak_rss_mib"], "{:12.0f}")
-        row(
-            "peak RSS, training (MiB)",
-            ours["training_peak_rss_mib"],
-            ref["training_peak_rss_mib"],
-            "{:12.0f}",
-        )
+    lines += common.memory_lines(r, 28)
     row("GFLOP/step", ours["flops_per_step"] / 1e9, ref["flops_per_step"] / 1e9, "{:12.1f}")
     for phase in PHASES:
         row(f"  {phase}", ours["breakdown"][phase], ref["breakdown"][phase])
@@ -190,10 +182,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"ours at {100 * r['fraction_of_flop_bound']:.0f} %, reference at "
         f"{100 * r['reference_fraction_of_flop_bound']:.0f} %"
     )
-    if "rss_ratio" in r:
-        lines.append(
-            f"peak RSS ours / reference: {r['rss_ratio']:.2f} (process), {r['training_rss_ratio']:.2f} (training)"
-        )
+    lines += common.rss_ratio_line(r)
     return "\n".join(lines)
 
 
