@@ -107,9 +107,9 @@ def hosts(tmp_path_factory):
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
                 "AcceptEnv none\n"
             )
-            log = (root / f"sshd_{host}.log").open("w")
-            sshds.append(subprocess.Popen(_in_ns(ns, "/usr/sbin/sshd", "-D", "-e", "-f", str(config)),
-                                          stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+            with (root / f"sshd_{host}.log").open("w") as log:  # sshd keeps its own copy of the file
+                sshds.append(subprocess.Popen(_in_ns(ns, "/usr/sbin/sshd", "-D", "-e", "-f", str(config)),
+                                              stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
         (root / "known_hosts").write_text("\n".join(known) + "\n")
         (root / "ssh_config").write_text(
             "".join(f"Host {host}\n  HostName {mgmt}\n" for host, (mgmt, _) in HOSTS.items())
