@@ -117,3 +117,33 @@ def bf16_advice(vm_size: str) -> str:
     if row.native_bf16:
         return f"{vm_size} ({row.series}) runs on {row.cpu}, which has AMX and AVX512-BF16: bf16 is fast."
     return f"{vm_size} ({row.series}) runs on {row.cpu}, which has no native bf16: train in fp32."
+
+
+NETWORK_CHECKED_ON = "2026-11-24"
+NETWORK_SOURCES = (
+    "The 'Network' tab (Max Network Bandwidth, Mbps) of each series' size page, "
+    "https://learn.microsoft.com/azure/virtual-machines/sizes/<family>/<series>-series "
+    "(MicrosoftDocs/azure-compute-docs: general-purpose/dv5-series.md, general-purpose/dsv6-series.md, "
+    "memory-optimized/ev5-series.md, memory-optimized/esv6-series.md). Azure: the maximum aggregated "
+    "bandwidth per VM across all NICs, an upper limit and not guaranteed. The s/d variants of a series "
+    "(Dsv5, Ddsv6, Esv5, Edsv6) are assumed to have the same limits as the sizes listed there; the "
+    "isolated sizes (E104i_v5, E192is_v6) are not in SIZE_SERIES and not listed here.",
+)
+# Series (as in SIZE_SERIES) -> vCPUs -> expected network bandwidth in Mbit/s (same sources and date).
+NETWORK_MBPS: dict[str, dict[int, int]] = {
+    "Dv5/Dsv5": {2: 12_500, 4: 12_500, 8: 12_500, 16: 12_500, 32: 16_000, 48: 24_000, 64: 30_000, 96: 35_000},
+    "Ev5/Esv5": {2: 12_500, 4: 12_500, 8: 12_500, 16: 12_500, 20: 12_500, 32: 16_000, 48: 24_000,
+                 64: 30_000, 96: 30_000},
+    "Dsv6/Ddsv6": {2: 12_500, 4: 12_500, 8: 12_500, 16: 12_500, 32: 16_000, 48: 24_000, 64: 30_000,
+                   96: 41_000, 128: 54_000, 192: 82_000},
+    "Esv6/Edsv6": {2: 12_500, 4: 12_500, 8: 12_500, 16: 12_500, 20: 12_500, 32: 16_000, 48: 24_000,
+                   64: 30_000, 96: 41_000, 128: 54_000},
+}  # fmt: skip
+
+
+def network_gbps(vm_size: str) -> float | None:
+    """Azure's expected network bandwidth of ``vm_size`` in Gbit/s (``Standard_D8_v5`` -> 12.5), or
+    ``None`` for a size missing from :data:`NETWORK_MBPS`."""
+    row, cpus = size_series(vm_size), vcpus(vm_size)
+    mbps = NETWORK_MBPS.get(row.series, {}).get(cpus) if row and cpus else None
+    return mbps / 1000 if mbps else None

@@ -16,11 +16,20 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
 from PIL import Image
 
 from helpers.files import write_path_atomic
 
-__all__ = ["image_grid", "image_rows", "loss_curve", "moving_average", "save_figure", "timing_bars"]
+__all__ = [
+    "image_grid",
+    "image_rows",
+    "line_groups",
+    "loss_curve",
+    "moving_average",
+    "save_figure",
+    "timing_bars",
+]
 
 
 def _new_figure(figsize: tuple[float, float]) -> Figure:
@@ -231,6 +240,53 @@ def timing_bars(
     ax.set_ylabel(unit)
     ax.set_title(title)
     ax.set_xlabel(f"× = speed-up over {baseline!r}")
+    fig.tight_layout()
+    return fig
+
+
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def line_groups(
+    curves: Mapping[tuple[str, str], tuple[Sequence[float], Sequence[float]]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    log: bool = False,
+) -> Figure:
+    """Lines in groups: one colour per group, one line style per variant (e.g. per VM size, ours
+    solid and the reference dashed).
+
+    Args:
+        curves: ``(group, variant) -> (xs, ys)``, in display order; variants are styled in order of
+            first appearance (solid, dashed, dotted, dash-dot).
+        title, xlabel, ylabel: the axes' texts.
+        log: both axes logarithmic (base 2 for x).
+
+    Returns:
+        The figure: one axes with one line per entry, labelled ``"group: variant"``.
+    """
+    if not curves:
+        raise ValueError("line_groups got no curves: pass at least one {(group, variant): (xs, ys)} entry.")
+    groups = list(dict.fromkeys(group for group, _ in curves))
+    variants = list(dict.fromkeys(variant for _, variant in curves))
+    if len(variants) > len(LINE_STYLES):
+        raise ValueError(f"line_groups draws at most {len(LINE_STYLES)} variants, got {variants}.")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = _new_figure((7.5, 4.5))
+    ax = fig.add_subplot(1, 1, 1)
+    for (group, variant), (xs, ys) in curves.items():
+        ax.plot(xs, ys, marker=".", color=colours[groups.index(group) % len(colours)],
+                linestyle=LINE_STYLES[variants.index(variant)], label=f"{group}: {variant}")  # fmt: skip
+    if log:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())  # 16, not 2^4
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     return fig
 
