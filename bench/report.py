@@ -161,6 +161,18 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                     + "; ".join(parts)
                     + f" ({r['split']['speedup_of_processes']:.2f}x).",
                 ]
+    for k, r in results.items():
+        if k.startswith("scaling-"):  # bench/scaling.py: the calibration of helpers.scaling
+            seconds = dict(zip(r["bytes"], r["median_seconds"], strict=True))
+            out += [
+                "",
+                f"All-reduce alone ({r['transport']}, {r['world_size']} processes): "
+                + ", ".join(
+                    f"{n:,} bytes {seconds[n] * 1e3:.2f} ms" for n in (r["bytes"][0], 3_072, r["bytes"][-1])
+                )
+                + f"; the ring model's fit: {r['fit']['latency_s'] * 1e6:.0f} µs per ring step, "
+                f"{r['fit']['bytes_per_s'] / 1e9:.2f} GB/s.",
+            ]
     groups: dict[tuple, dict[str, Any]] = {}
     for r in opts:  # several files for one model and resolution make one table
         key = (r["model"], r["resolution"], r["batch"], r["threads"])

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from helpers import estimates
+from helpers.errors import InputError
 
 HIDDEN = 768  # SD v1.5's text-embedding width
 VOCABULARY = 49_409  # SD v1.5's tokenizer (49,408) plus one placeholder
@@ -45,7 +46,7 @@ def allreduced_bytes(mode: str, num_vectors: int = 1) -> int:
         return num_vectors * HIDDEN * FP32
     if mode == "reference":
         return (VOCABULARY + num_vectors - 1) * HIDDEN * FP32
-    raise ValueError(f"mode={mode!r}: use 'ours' or 'reference'")
+    raise InputError(f"mode={mode!r}: use 'ours' or 'reference'")
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def azure_machine(vm_size: str) -> Machine:
     vcpus, row = azure_data.vcpus(vm_size), azure_data.size_series(vm_size)
     gbps = azure_data.network_gbps(vm_size)
     if vcpus is None or row is None or gbps is None:
-        raise ValueError(
+        raise InputError(
             f"vm_size={vm_size!r}: not in helpers.azure_data's size and network tables; use a Dv5, Ev5, "
             "Dsv6 or Esv6 size, or describe the node with scaling.Machine(...)"
         )
@@ -205,7 +206,7 @@ def predict(
     if isinstance(machine, str):
         machine = azure_machine(machine)
     if nodes < 1 or nproc_per_node < 1:
-        raise ValueError(f"nodes={nodes}, nproc_per_node={nproc_per_node}: both must be at least 1")
+        raise InputError(f"nodes={nodes}, nproc_per_node={nproc_per_node}: both must be at least 1")
     step = estimates.training_time(
         1, resolution, train_batch_size, machine.precision, machine.physical_cores, nproc_per_node,
         machine.native_bf16,
@@ -329,5 +330,7 @@ def figure(layouts: Sequence[tuple[Machine | str, int]] = FIGURE_LAYOUTS, max_no
     ax = fig.axes[0]
     ax.plot([check.reference.processes], [check.published_images_per_second], marker="*", markersize=12,
             color="black", linestyle="none", label="guide, published (reference, 16 processes)")  # fmt: skip
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0)
+    )  # beside the axes: the lines fill them
     return fig
