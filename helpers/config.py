@@ -239,6 +239,16 @@ class TrainConfig:
     validation_steps: int = _f(100, "validate every N steps", ge=1)
     gradient_checkpointing: bool = _f(False, "trade compute for memory in the UNet and text encoder")
     dataloader_num_workers: int = _f(0, "data-loading worker processes", ge=0)
+    latent_cache: bool = _f(
+        True,
+        "keep the VAE's latents of each image view in a cache shared by the machine's runs, so a re-run "
+        "skips the VAE (--no-latent_cache, or WORKSHOP_LATENT_CACHE=off, turns it off)",
+    )
+    latent_cache_dir: str | None = _f(
+        None,
+        "folder of the latent cache (default: $WORKSHOP_LATENT_CACHE, else latents/ in "
+        "$WORKSHOP_CACHE or ~/.cache/sd-cpu-workshop)",
+    )
     use_ipex: bool = _f(False, "use Intel Extension for PyTorch if it is installed")
 
     def __post_init__(self) -> None:

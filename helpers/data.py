@@ -448,12 +448,20 @@ class ConceptDataset(torch.utils.data.Dataset):
             A float32 tensor ``[3, size, size]`` with values in [-1, 1]. It is the cached
             tensor itself: do not modify it in place.
         """
+        if view_index not in self._views:
+            self._views[view_index] = self._load_view(*self.view_source(view_index))
+        return self._views[view_index]
+
+    def view_source(self, view_index: int) -> tuple[Path, bool]:
+        """The image file a view shows, and whether it is mirrored.
+
+        Raises:
+            IndexError: no such view.
+        """
         if not 0 <= view_index < self.num_views:
             raise IndexError(f"view {view_index} out of range: this dataset has {self.num_views} views")
-        if view_index not in self._views:
-            image_index, flipped = divmod(view_index, self._n_flip)
-            self._views[view_index] = self._load_view(self.images[image_index], bool(flipped))
-        return self._views[view_index]
+        image_index, flipped = divmod(view_index, self._n_flip)
+        return self.images[image_index], bool(flipped)
 
     def _load_view(self, path: Path, flipped: bool) -> torch.Tensor:
         with Image.open(path) as img:

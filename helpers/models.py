@@ -113,7 +113,7 @@ class Components:
 
     tokenizer: Any
     text_encoder: torch.nn.Module
-    vae: torch.nn.Module
+    vae: torch.nn.Module | None
     unet: torch.nn.Module
     noise_scheduler: Any
     path: Path
@@ -147,8 +147,14 @@ def ensure_hub_reachable(what: str, fix: str, timeout: float = 3.0) -> None:
 
 
 def cache_dir() -> Path:
-    """Where built models are cached (``$WORKSHOP_CACHE`` or ``~/.cache/sd-cpu-workshop``)."""
-    return Path(os.environ.get("WORKSHOP_CACHE", Path.home() / ".cache" / "sd-cpu-workshop"))
+    """The project's cache folder: built models, encoded latents (``helpers.engine.latents``).
+
+    ``$WORKSHOP_CACHE`` if set, else ``sd-cpu-workshop`` in the user's cache folder
+    (``$XDG_CACHE_HOME``, by default ``~/.cache``).
+    """
+    if os.environ.get("WORKSHOP_CACHE"):
+        return Path(os.environ["WORKSHOP_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sd-cpu-workshop"
 
 
 def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
@@ -206,12 +212,15 @@ def load_components(
     revision: str | None = None,
     unet_dtype: torch.dtype = torch.float32,
     vae_dtype: torch.dtype = torch.float32,
+    load_vae: bool = True,
 ) -> Components:
     """Load tokenizer, text encoder (fp32), VAE, UNet and the DDPM training scheduler.
 
     The text encoder is always loaded in fp32: transformers keeps the dtype weights were saved
     in, and an fp16 text encoder would train slowly and imprecisely on a CPU. The frozen UNet and
-    VAE load in the dtype asked for (bf16 halves their memory where bf16 is native).
+    VAE load in the dtype asked for (bf16 halves their memory where bf16 is native). With
+    ``load_vae=False`` the VAE is not loaded (``vae`` is None): the engine loads it only when
+    latents are missing from its cache.
     """
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
@@ -220,7 +229,7 @@ def load_components(
     return Components(
         tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
         text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", dtype=torch.float32),
-        vae=AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype),
+        vae=AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype) if load_vae else None,
         unet=UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=unet_dtype),
         noise_scheduler=DDPMScheduler.from_pretrained(path, subfolder="scheduler"),
         path=path,

@@ -223,6 +223,7 @@ def train(config: TrainConfig) -> TrainResult:
     """
     from transformers import CLIPTokenizer
 
+    called = time.perf_counter()
     checked = check_inputs(config)  # the folder, images and checkpoint, before any model work
     model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
     tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
@@ -230,6 +231,7 @@ def train(config: TrainConfig) -> TrainResult:
     run = setup_run(config, model_dir, tokenizer)
     start = resume(run, checked.checkpoint)
     history = prepare_output_dir(run, start)
+    record_startup(run, called)
     # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
     last = train_loop(run, start, history) if start < run.max_steps else start
     return write_outputs(run, history, last)
@@ -244,6 +246,21 @@ def resume(run: Run, ckpt: Path | None) -> int:
     step = checkpoint_step(ckpt)
     logger.info(f"resumed from {ckpt} at step {step}", main_process_only=True)
     return step
+
+
+def record_startup(run: Run, called: float) -> None:
+    """Note in ``run.startup`` how long start-up took, up to the first step (its own time is in the history).
+
+    Args:
+        run: the run, about to take its first step.
+        called: ``time.perf_counter()`` when :func:`train` was called.
+    """
+    import psutil
+
+    run.startup["seconds_to_first_step"] = time.perf_counter() - called
+    # the whole process: interpreter start, imports, then train()
+    run.startup["process_seconds_to_first_step"] = time.time() - psutil.Process().create_time()
+    logger.info(f"start-up took {run.startup['seconds_to_first_step']:.1f} s", main_process_only=True)
 
 
 def prepare_output_dir(run: Run, start: int) -> list[dict]:
@@ -369,6 +386,7 @@ def _summary(run: Run, history: list[dict], steps: int) -> dict:
         "full_matrix_allreduce_bytes_per_step": run.text_encoder.get_input_embeddings().weight.numel() * 4,
         "embeddings_identical_across_ranks": identical,
         "threads_per_process": torch.get_num_threads(),
+        "startup": run.startup,  # seconds to the first step, what the latent cache did
     }
 
 

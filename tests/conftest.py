@@ -23,6 +23,15 @@ FAKE_HOST=$host exec sh -c "$*"
 """
 
 
+@pytest.fixture(autouse=True)
+def latent_cache_dir(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's own empty latent cache (helpers.engine.latents), never the user's: every run in
+    a test (and every process it starts) encodes its latents as a first run does."""
+    folder = tmp_path_factory.mktemp("latent-cache")
+    monkeypatch.setenv("WORKSHOP_LATENT_CACHE", str(folder))
+    return folder
+
+
 @pytest.fixture
 def fake_ssh(tmp_path) -> Path:
     """An ssh program that runs the remote command here, with ``$FAKE_HOST`` set to the host it

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from helpers import cpu, data, distributed, models, supervise
 from helpers.config import TrainConfig
+from helpers.engine import latents
 from helpers.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
@@ -42,6 +43,7 @@ class Run:
         counter: the all-reduce byte counter (all-reduces only with several processes).
         sampler, loader: the data order and the prepared loader.
         steps_per_epoch, max_steps, num_epochs: the schedule.
+        startup: what start-up did (the latent cache), recorded in ``run_summary.json``.
     """
 
     config: TrainConfig
@@ -62,6 +64,7 @@ class Run:
     steps_per_epoch: int
     max_steps: int
     num_epochs: int
+    startup: dict = field(default_factory=dict)
 
     @property
     def vectors(self) -> torch.nn.Parameter:
@@ -108,9 +111,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     logger.info(f"precision: {precision.reason}", main_process_only=True)
     if precision.warning:
         logger.warning(precision.warning, main_process_only=True)
-    text_encoder, vae, unet, noise_scheduler, token_ids = _load_modules(
-        config, model_dir, tokenizer, precision
-    )
+    text_encoder, unet, noise_scheduler, token_ids = _load_modules(config, model_dir, tokenizer, precision)
     tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
 
     dataset = data.ConceptDataset(
@@ -123,10 +124,19 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
         center_crop=config.center_crop,
         seed=config.seed,
     )
-    latent_mean, latent_std = cache_latents(vae, dataset)
+    # The VAE is loaded only when latents are missing, and freed once they are encoded.
+    cache_dir = latents.cache_root(config.latent_cache, config.latent_cache_dir)
+    if cache_dir is None:
+        vae = latents.load_vae(model_dir)
+        latent_mean, latent_std = cache_latents(vae, dataset)
+        scaling = vae.config.scaling_factor
+        del vae  # never needed again: the encoder ran once per view
+        startup = {"latent_cache": None}
+    else:
+        cached = latents.cached_latents(cache_dir, model_dir, dataset)
+        latent_mean, latent_std, scaling = cached.mean, cached.std, cached.scaling_factor
+        startup = {"latent_cache": cached.report(cache_dir)}
     supervise.beat("latents cached")
-    scaling = vae.config.scaling_factor
-    del vae  # never needed again: the encoder ran once per view
 
     learned = LearnedEmbeddings(text_encoder.get_input_embeddings().weight[token_ids], token_ids)
     lr = config.learning_rate
@@ -203,27 +213,28 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
         steps_per_epoch=steps_per_epoch,
         max_steps=max_steps,
         num_epochs=math.ceil(max_steps / steps_per_epoch),
+        startup=startup,
     )
 
 
 def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cpu.PrecisionChoice):
-    """Text encoder (trainable rows added), VAE, UNet, noise schedule; everything frozen."""
+    """Text encoder (trainable rows added), UNet, noise schedule; everything frozen. Not the VAE
+    (:mod:`helpers.engine.latents` loads it only when latents are missing)."""
     # With bf16 the UNet, only ever read, is loaded in bf16, as diffusers' script casts it: no step
     # re-casts its 860 M weights (autocast would, and hold the casts for the backward). Saving the
     # full pipeline takes the UNet from the base model, untouched.
     dtype = cpu.compute_dtype(precision.mixed_precision)
     supervise.beat("loading")  # each phase of a start counts as progress for helpers.launch
-    parts = models.load_components(model_dir, unet_dtype=dtype)
+    parts = models.load_components(model_dir, unet_dtype=dtype, load_vae=False)
     supervise.beat("loaded")
-    text_encoder, vae, unet = parts.text_encoder, parts.vae, parts.unet
+    text_encoder, unet = parts.text_encoder, parts.unet
     noise_scheduler = parts.noise_scheduler
-    del parts  # holds the VAE: it must go when the latents are cached
+    del parts
     token_ids = add_placeholder_tokens(
         tokenizer, text_encoder, config.placeholder_token, config.initializer_token, config.num_vectors
     )
-    for module in (text_encoder, vae, unet):
+    for module in (text_encoder, unet):
         module.requires_grad_(False)
-    vae.eval()
     text_encoder.train(config.gradient_checkpointing)
     unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode
     if config.gradient_checkpointing:
