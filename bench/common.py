@@ -552,7 +552,8 @@ def run_engine(
         checkpointing_steps=steps + 1,
         output_dir=str(Path(workdir) / "out"),
         seed=SEED,
-        **overrides,
+        # encode as every run did before the latent cache: reset_then_cache runs only when it is off
+        **{"latent_cache": False, **overrides},
     )
     cache_latents = engine_setup.cache_latents
 
