@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, startup
 from helpers import inference
 from helpers.files import write_text_atomic
 
@@ -173,6 +173,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                 + f"; the ring model's fit: {r['fit']['latency_s'] * 1e6:.0f} µs per ring step, "
                 f"{r['fit']['bytes_per_s'] / 1e9:.2f} GB/s.",
             ]
+    for k, r in results.items():
+        if k.startswith("startup-"):  # bench/startup.py: time to the first step, latent cache off/cold/warm
+            out += ["", *startup.table(r)]
     groups: dict[tuple, dict[str, Any]] = {}
     for r in opts:  # several files for one model and resolution make one table
         key = (r["model"], r["resolution"], r["batch"], r["threads"])

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bench import allreduce, common, optimisations, report, stress_launch, train_step
+from bench import allreduce, common, optimisations, report, startup, stress_launch, train_step
 from bench import inference as bench_inference
 from helpers import data, inference, models
 
@@ -325,3 +325,21 @@ def test_stress_launch_on_tiny(tmp_path):
     assert (report["runs"], report["ok"], report["failures"], report["hangs"]) == (2, 2, 0, 0)
     assert report["problems"] == [] and report["load"] == {"cpu_processes": 1, "memory_gb": 0.1}
     assert 0 < report["p50_seconds"] <= report["p95_seconds"]
+
+
+@pytest.mark.slow
+def test_startup_benchmark_on_tiny(tmp_path):
+    """Three fresh processes: the cache off encodes, cold encodes and fills it, warm never loads the VAE."""
+    out = tmp_path / "startup.json"
+    result = startup.main(startup.parse_args(["--model", "tiny", "--resolution", "64", "--out", str(out)]))
+    assert (
+        json.loads(out.read_text())["order"] == ["off", "cold", "warm"] == [r["mode"] for r in result["runs"]]
+    )
+    caches = {r["mode"]: r["latent_cache"] for r in result["runs"]}
+    assert caches["off"] is None
+    assert (caches["cold"]["found"], caches["cold"]["vae_loaded"]) == (0, True)
+    assert (caches["warm"]["found"], caches["warm"]["vae_loaded"]) == (3, False)  # 10 views, 4 per VAE call
+    assert caches["cold"]["dir"] == caches["warm"]["dir"]
+    for r in result["runs"]:
+        assert 0 < r["train_seconds_to_first_step"] < r["process_seconds_to_first_step"] < r["wall_seconds"]
+    assert "| warm |" in "\n".join(startup.table(result))
