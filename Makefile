@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export AZURE_CORE_COLLECT_TELEMETRY ?= false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup system-packages demo handouts test test-fast lint format bench toyworld clean distclean
+.PHONY: setup setup-ipex system-packages demo handouts test test-fast test-ipex lint format bench toyworld clean distclean
 
 setup: $(VENV)/.setup-done
 
@@ -21,6 +21,19 @@ $(VENV)/.setup-done: requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m helpers.environment
+	touch $@
+
+# The optional second environment for Intel Extension for PyTorch: torch 2.8 (a CUDA build on the
+# registry, about 3.8 GB to download and 7 GB on disk) and IPEX 2.8, with helpers installed editable.
+IPEX_VENV ?= .venv-ipex
+IPEX_PY := $(IPEX_VENV)/bin/python
+setup-ipex: $(IPEX_VENV)/.setup-done
+
+$(IPEX_VENV)/.setup-done: requirements-ipex.txt pyproject.toml
+	test -x $(IPEX_PY) || $(PYTHON) -m venv $(IPEX_VENV)
+	$(IPEX_PY) -m pip install -q --upgrade pip
+	$(IPEX_PY) -m pip install -q -r requirements-ipex.txt
+	$(IPEX_PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 # Debian programs some tests need: Open MPI and MPICH (the launcher with each MPI flavour),
@@ -50,6 +63,10 @@ test: setup system-packages
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not notebooks"
 
+# The IPEX path, really run (tests/test_ipex.py); WORKSHOP_REQUIRE_IPEX turns "not installed" into a failure.
+test-ipex: setup-ipex
+	WORKSHOP_REQUIRE_IPEX=1 $(IPEX_PY) -m pytest -q tests/test_ipex.py
+
 lint: setup
 	$(VENV)/bin/ruff check helpers tests bench
 	$(VENV)/bin/ruff format --check helpers tests bench
@@ -71,4 +88,4 @@ clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(IPEX_VENV)

@@ -216,33 +216,89 @@ def keep_freed_memory() -> Iterator[bool]:
         libc.malloc_trim(0)
 
 
-def ipex_available() -> bool:
-    """Whether Intel Extension for PyTorch imports (it is discontinued; see docs/architecture.md)."""
+IPEX_DISTRIBUTION = "intel-extension-for-pytorch"
+IPEX_FIX = "create its environment with `make setup-ipex` and run with .venv-ipex/bin/python"
+# Seen in backward once IPEX is imported: it registers CPU kernels for these composite ops, and
+# torch warns that none is registered for autograd. The gradients are right (tests/test_ipex.py
+# compares them with plain PyTorch's), so the warning is filtered where IPEX is applied.
+_IPEX_AUTOGRAD_WARNING = r"aten::(group_norm|layer_norm): an autograd kernel was not registered"
+
+
+def ipex_version() -> str | None:
+    """The installed Intel Extension for PyTorch's version, or None; read without importing it."""
+    from importlib import metadata
+
     try:
-        import intel_extension_for_pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable"
-        return False
-    return True
+        return metadata.version(IPEX_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
 
 
-def apply_ipex(unet: torch.nn.Module, text_encoder: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Optimise the frozen modules with IPEX, keeping gradients flowing to the embedding.
+def ipex_problem() -> str | None:
+    """Why Intel Extension for PyTorch cannot be used in this environment, or None if it can.
 
-    IPEX's default weight prepacking turns modules into inference-only kernels: the gradient
-    reaching the text encoder silently becomes ``None``. Prepacking is therefore off, and the
-    modules stay in training mode. Not exercised here: IPEX needs torch 2.8 (see docs/architecture.md); the
-    engine checks after the first step that the placeholder gradient is non-zero.
+    Reads the installed versions only: importing IPEX registers its kernels process-wide, and an
+    IPEX built for another torch fails at import. IPEX is discontinued; its last CPU release, 2.8,
+    needs torch 2.8 (docs/architecture.md, "IPEX").
+    """
+    version = ipex_version()
+    if version is None:
+        return f"intel_extension_for_pytorch is not installed in this environment (torch {torch.__version__})"
+    needs = ".".join(version.split(".")[:2])
+    if needs != ".".join(torch.__version__.split(".")[:2]):
+        return (
+            f"intel_extension_for_pytorch {version} needs torch {needs}, "
+            f"and this environment has torch {torch.__version__}"
+        )
+    return None
+
+
+def ipex_available() -> bool:
+    """Whether Intel Extension for PyTorch is installed for this torch (see :func:`ipex_problem`)."""
+    return ipex_problem() is None
+
+
+def apply_ipex(unet: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Optimise the frozen UNet with IPEX, as the engine does when ``use_ipex`` is on.
+
+    Two of IPEX's defaults break training through a frozen model, so both are off:
+
+    - weight prepacking: on a module in eval mode it makes the convolutions inference-only and
+      the gradient reaching the placeholder silently becomes ``None``; in training mode its
+      backward fails ("Expected memory formats of X and dY are same");
+    - the automatic channels-last layout of convolution weights: group norm's backward then fails
+      with that same message.
+
+    What remains is IPEX's operator kernels (registered when it is imported) and, for bf16, its
+    cast of the UNet's weights. The text encoder, which carries the learned rows, is left alone.
+    The engine checks after the first step that the placeholder gradient is non-zero.
 
     Returns:
-        True if IPEX was applied, False if it is not installed.
+        The IPEX version applied.
+
+    Raises:
+        RuntimeError: IPEX is not usable here (callers check :func:`ipex_problem` before loading).
     """
-    if not ipex_available():
-        logger.warning(
-            "use_ipex=True but intel_extension_for_pytorch is not installed; continuing without it"
-        )
-        return False
+    problem = ipex_problem()
+    if problem:
+        raise RuntimeError(f"use_ipex: {problem}. Fix: {IPEX_FIX}.")
+    import warnings
+
     import intel_extension_for_pytorch as ipex
 
-    for module in (unet, text_encoder):
-        ipex.optimize(module, dtype=dtype, inplace=True, weights_prepack=False, auto_kernel_selection=False)
-    return True
+    warnings.filterwarnings("ignore", message=_IPEX_AUTOGRAD_WARNING, category=UserWarning)
+    ipex.disable_auto_channels_last()
+    training = unet.training
+    unet.eval()  # IPEX's training mode wants the optimizer of the weights it would prepack
+    ipex.optimize(
+        unet,
+        dtype=dtype,
+        inplace=True,
+        weights_prepack=False,
+        auto_kernel_selection=False,
+        conv_bn_folding=False,  # no batch norm in a UNet; folding would trace the model for nothing
+        linear_bn_folding=False,
+        replace_dropout_with_identity=False,  # the model stays as loaded
+    )
+    unet.train(training)
+    return ipex.__version__

@@ -171,7 +171,7 @@ class CheckedInputs:
 def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
     """Every cheap check of a run, before any model is resolved or loaded.
 
-    The output folder (:func:`helpers.engine.folder.check_output_dir`), the images, the checkpoint
+    IPEX if asked for, the output folder (:func:`helpers.engine.folder.check_output_dir`), the images, the checkpoint
     to resume (complete, of the same run, not past the last step) and, given the tokenizer, the tokens.
 
     Raises:
@@ -182,6 +182,8 @@ def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
             "train_data_dir is not set. Fix: pass a folder of 3-5 images of your concept, "
             f"or the bundled sample: --train_data_dir {data.sample_concept_dir()}"
         )
+    if config.use_ipex and (problem := cpu.ipex_problem()):
+        raise TrainingInputError(f"use_ipex: {problem}. Fix: {cpu.IPEX_FIX}, or leave use_ipex off.")
     folder = check_output_dir(config)
     images = data.validate_image_folder(config.train_data_dir, min_size=config.resolution)
     ckpt = None

@@ -256,22 +256,6 @@ def test_cpu_report_describes_this_machine():
     assert rep.precision == ("bf16" if rep.native_bf16 else "no")
 
 
-@pytest.mark.skipif(
-    not cpu.ipex_available(), reason="intel_extension_for_pytorch is not installed (needs torch 2.8)"
-)
-def test_ipex_trains_the_same_embedding_as_plain_pytorch(tmp_path):
-    """Not run here (IPEX needs torch 2.8); IPEX's fused kernels may round differently, not train differently."""
-    runs = {
-        ipex: ti.train(tiny_config(tmp_path, f"ipex-{ipex}", max_train_steps=2, use_ipex=ipex))
-        for ipex in (False, True)
-    }
-    plain, ipex = (load_file(runs[k].learned_embeds_path)["<dicoo>"] for k in (False, True))
-    assert [h["loss"] for h in runs[True].history] == pytest.approx(
-        [h["loss"] for h in runs[False].history], rel=1e-2
-    )
-    assert torch.allclose(ipex, plain, atol=1e-3) and not torch.equal(ipex, torch.zeros_like(ipex))
-
-
 # --- whole runs -------------------------------------------------------------------------------
 
 
@@ -434,6 +418,27 @@ def test_bad_inputs_fail_before_loading_weights(tmp_path, monkeypatch):
         ti.train(tiny_config(tmp_path, placeholder_token="toy"))
     with pytest.raises(ti.TrainingInputError, match="no checkpoint"):
         ti.train(tiny_config(tmp_path, resume_from_checkpoint="latest"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_use_ipex_without_its_environment_is_one_line_before_loading(tmp_path, monkeypatch):
+    """Asking for IPEX where it is missing, or built for another torch: the fix, before any weights."""
+    monkeypatch.setattr(cpu, "ipex_version", lambda: None)
+    assert cpu.ipex_problem() == (
+        f"intel_extension_for_pytorch is not installed in this environment (torch {torch.__version__})"
+    )
+    monkeypatch.setattr(cpu, "ipex_version", lambda: "1.0.0")
+    assert cpu.ipex_problem() == (
+        f"intel_extension_for_pytorch 1.0.0 needs torch 1.0, and this environment has torch {torch.__version__}"
+    )
+    monkeypatch.setattr(models, "load_components", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(ti.TrainingInputError) as err:
+        ti.train(tiny_config(tmp_path, use_ipex=True))
+    assert str(err.value) == (
+        f"use_ipex: intel_extension_for_pytorch 1.0.0 needs torch 1.0, and this environment has torch "
+        f"{torch.__version__}. Fix: create its environment with `make setup-ipex` and run with "
+        f".venv-ipex/bin/python, or leave use_ipex off."
+    )
     assert not (tmp_path / "run").exists()
 
 

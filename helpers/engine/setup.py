@@ -241,5 +241,5 @@ def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cp
         unet.enable_gradient_checkpointing()
         text_encoder.gradient_checkpointing_enable()
     if config.use_ipex:
-        cpu.apply_ipex(unet, text_encoder, dtype)
+        cpu.apply_ipex(unet, dtype)
     return text_encoder, vae, unet, noise_scheduler, token_ids
