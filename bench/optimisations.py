@@ -11,8 +11,9 @@ SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbm
 of the UNet; compile time reported separately). Process-level options run the real engine,
 ``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
 (glibc's defaults, tcmalloc or jemalloc through ``LD_PRELOAD``, ``THP_MEM_ALLOC_ENABLE``),
-``omp_affinity`` (``OMP_PROC_BIND=close OMP_PLACES=cores``) and ``gradient_checkpointing``
-(training peak RSS against time).
+``omp_affinity`` (``OMP_PROC_BIND=close OMP_PLACES=cores``), ``gradient_checkpointing``
+(training peak RSS against time) and ``ipex`` (``use_ipex``; only from ``.venv-ipex``, whose torch
+2.8 without IPEX is then the baseline, with the workshop's ``.venv`` torch as a third variant).
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ IN_PROCESS = {
     )
 }
 NEEDS_BF16 = {"bf16_weights"}  # options that only mean something under --mixed_precision bf16
-PROCESS_LEVEL = ("allocator", "omp_affinity", "gradient_checkpointing")
+PROCESS_LEVEL = ("allocator", "omp_affinity", "gradient_checkpointing", "ipex")
 ALL = (*IN_PROCESS, "compile", *PROCESS_LEVEL)
+WORKSHOP_PYTHON = common.ROOT / ".venv" / "bin" / "python"  # the workshop's environment (torch 2.13)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,11 +153,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resolution is None:
         args.resolution = 64 if args.model == "tiny" else 256
     bf16 = args.mixed_precision == "bf16"
+    ipex_problem = cpu.ipex_problem()
     if args.only is None:
-        args.only = ",".join(n for n in ALL if bf16 or n not in NEEDS_BF16)
+        args.only = ",".join(
+            n for n in ALL if (bf16 or n not in NEEDS_BF16) and (n != "ipex" or ipex_problem is None)
+        )
     unknown = set(args.only.split(",")) - set(ALL)
     if unknown:
         parser.error(f"--only: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(ALL)}")
+    if "ipex" in args.only.split(",") and ipex_problem:
+        parser.error(f"--only ipex: {ipex_problem}. Fix: {cpu.IPEX_FIX} (python -m bench.optimisations)")
     if not bf16 and NEEDS_BF16 & set(args.only.split(",")):
         parser.error(f"--only {','.join(sorted(NEEDS_BF16))} needs --mixed_precision bf16")
     return args
@@ -275,27 +282,33 @@ def _compile(step: common.OursStep, n: int) -> dict[str, Any]:
 def _process_level(args: argparse.Namespace, name: str, threads: int) -> dict[str, Any]:
     base_env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     base_env.pop("LD_PRELOAD", None)
-    variants: dict[str, tuple[dict, dict]] = {"baseline": (base_env, {})}
+    python = sys.executable
+    # name: (environment, TrainConfig overrides, interpreter)
+    variants: dict[str, tuple[dict, dict, str]] = {"baseline": (base_env, {}, python)}
     if name == "allocator":
-        variants["glibc_default"] = (base_env, {"malloc_tuning": False})
+        variants["glibc_default"] = (base_env, {"malloc_tuning": False}, python)
         for alloc, lib in ALLOCATORS.items():
             if Path(lib).exists():
                 env = {**base_env, "LD_PRELOAD": lib}
                 if alloc == "jemalloc":
                     env["MALLOC_CONF"] = JEMALLOC_CONF
-                variants[alloc] = (env, {"malloc_tuning": False})
+                variants[alloc] = (env, {"malloc_tuning": False}, python)
         # PyTorch's own switch: 2 MB-aligned big tensors, madvise(MADV_HUGEPAGE) (THP in "madvise" mode)
-        variants["thp"] = ({**base_env, "THP_MEM_ALLOC_ENABLE": "1"}, {})
+        variants["thp"] = ({**base_env, "THP_MEM_ALLOC_ENABLE": "1"}, {}, python)
     elif name == "omp_affinity":
-        variants["close_cores"] = ({**base_env, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, {})
+        variants["close_cores"] = ({**base_env, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, {}, python)
     elif name == "gradient_checkpointing":
-        variants["gradient_checkpointing"] = (base_env, {"gradient_checkpointing": True})
+        variants["gradient_checkpointing"] = (base_env, {"gradient_checkpointing": True}, python)
+    elif name == "ipex":  # run from .venv-ipex: its torch 2.8 without IPEX is the baseline
+        variants["ipex"] = (base_env, {"use_ipex": True}, python)
+        if WORKSHOP_PYTHON.exists():  # and the choice an attendee has: the workshop's newer torch
+            variants["workshop_torch"] = (base_env, {}, str(WORKSHOP_PYTHON))
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     names = list(variants)
     for r in range(args.rounds):
         for v in names if r % 2 == 0 else names[::-1]:
-            env, overrides = variants[v]
-            results[v].append(_run_child(args, env, overrides, threads))
+            env, overrides, interpreter = variants[v]
+            results[v].append(_run_child(args, env, overrides, threads, interpreter))
     out: dict[str, Any] = {}
     base = common.summarize([x["seconds_per_step"] for x in results["baseline"]])["median"]
     base_rss = max(x["training_peak_rss_mib"] for x in results["baseline"])
@@ -312,8 +325,10 @@ def _process_level(args: argparse.Namespace, name: str, threads: int) -> dict[st
     return out
 
 
-def _run_child(args: argparse.Namespace, env: dict, overrides: dict, threads: int) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "bench.optimisations", "--child", json.dumps(overrides)]
+def _run_child(
+    args: argparse.Namespace, env: dict, overrides: dict, threads: int, python: str = sys.executable
+) -> dict[str, float]:
+    cmd = [python, "-m", "bench.optimisations", "--child", json.dumps(overrides)]
     cmd += ["--model", args.model, "--resolution", str(args.resolution), "--batch", str(args.batch)]
     cmd += ["--steps", str(args.steps), "--threads", str(threads), "--mixed_precision", args.mixed_precision]
     proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)

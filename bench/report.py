@@ -263,6 +263,11 @@ PROCESS_NOTES = {
     "thp": ("`THP_MEM_ALLOC_ENABLE=1` (huge pages) on top of the engine", "no"),
     "close_cores": ("`OMP_PROC_BIND=close OMP_PLACES=cores`", "no"),
     "gradient_checkpointing": ("gradient_checkpointing", "no (flag)"),
+    "ipex": ("Intel Extension for PyTorch (`use_ipex`), against the same torch 2.8 without it", "no (flag)"),
+    "workshop_torch": (
+        "torch 2.13 (the workshop's environment) instead of torch 2.8, neither with IPEX",
+        "yes",
+    ),
 }
 
 

@@ -10,6 +10,11 @@ Prints seconds per step, images per second, the ratio, a per-phase breakdown, an
 of the FLOP bound (FLOPs counted by ``torch.utils.flop_counter``, divided by this machine's
 fp32 GEMM speed measured in the same run). Peak RSS is measured fairly in two fresh child
 processes, one per mode: ``ours`` runs the real ``helpers.textual_inversion.train``.
+
+    .venv-ipex/bin/python -m bench.train_step --ipex --model sd15-shape --mixed_precision bf16
+
+``--ipex`` measures something else: the engine with and without Intel Extension for PyTorch, and
+in the workshop's own torch, in alternating fresh processes (``bench.optimisations``' ``ipex``).
 """
 
 from __future__ import annotations
@@ -59,8 +64,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS child processes")
     parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
+    parser.add_argument(
+        "--ipex",
+        action="store_true",
+        help="instead: the engine with and without Intel Extension for PyTorch, in alternating fresh "
+        "processes (run it from .venv-ipex: make setup-ipex)",
+    )
     parser.add_argument("--child", choices=("ours", "reference"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ipex and (problem := cpu.ipex_problem()):
+        parser.error(f"--ipex: {problem}. Fix: {cpu.IPEX_FIX}")
     if args.resolution is None:
         args.resolution = 64 if args.model == "tiny" else 256
     return args
@@ -68,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; return (and write) the results."""
+    if args.ipex:
+        return _ipex(args)
     threads = cpu.set_threads(args.threads)
     if args.child:
         return _child(args)
@@ -114,6 +129,21 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print(format_report(report))
     print(f"wrote {out}")
     return report
+
+
+def _ipex(args: argparse.Namespace) -> dict[str, Any]:
+    """The real engine with and without ``use_ipex`` (and in the workshop's torch), as
+    :mod:`bench.optimisations` measures process-level options; its results feed the README's table."""
+    from bench import optimisations
+
+    suffix = "-bf16" if args.mixed_precision == "bf16" else ""
+    out = args.out or common.RESULTS / f"optimisations-{args.model}-{args.resolution}px-ipex{suffix}.json"
+    argv = ["--only", "ipex", "--model", args.model, "--resolution", str(args.resolution)]
+    argv += ["--batch", str(args.batch), "--steps", str(args.steps), "--rounds", "3"]
+    argv += ["--mixed_precision", args.mixed_precision, "--out", str(out)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    return optimisations.main(optimisations.parse_args(argv))
 
 
 def _report(args, threads, flops, onednn, gemm_peak, results, memory) -> dict[str, Any]:
