@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,8 +130,13 @@ def vae_digest(model_dir: str | os.PathLike, memo_dir: Path | None = None) -> st
 
 
 def encoder_context() -> dict:
-    """What else decides the encoder's rounding here (versions, CPU kernels, threads, dtype)."""
+    """What else decides the encoder's rounding here (versions, CPU kernels, threads, dtype).
+
+    Once imported (``use_ipex``), IPEX replaces operator kernels process-wide, the VAE's among them.
+    """
     import diffusers
+
+    ipex = sys.modules.get("intel_extension_for_pytorch")
 
     return {
         "format": FORMAT,
@@ -139,6 +145,7 @@ def encoder_context() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "dtype": "float32",
+        "ipex": getattr(ipex, "__version__", None),
     }
 
 
