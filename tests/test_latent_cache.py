@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from test_textual_inversion import tiny_config  # tests/ is on sys.path under pytest
 
-from helpers import data, models
+from helpers import data, models, supervise
 from helpers import textual_inversion as ti
 from helpers.config import parse_args
 from helpers.engine import latents
@@ -34,11 +35,14 @@ class VaeCounter:
 
     def __init__(self, monkeypatch):
         self.loads = self.encodes = 0
+        self.loaded: list[weakref.ref] = []  # every VAE loaded, to see when it is freed
         load, encode = AutoencoderKL.from_pretrained.__func__, AutoencoderKL.encode
 
         def counted_load(cls, *args, **kwargs):
             self.loads += 1
-            return load(cls, *args, **kwargs)
+            vae = load(cls, *args, **kwargs)
+            self.loaded.append(weakref.ref(vae))
+            return vae
 
         def counted_encode(vae, *args, **kwargs):
             self.encodes += 1
@@ -47,13 +51,27 @@ class VaeCounter:
         monkeypatch.setattr(AutoencoderKL, "from_pretrained", classmethod(counted_load))
         monkeypatch.setattr(AutoencoderKL, "encode", counted_encode)
 
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.loaded)
+
     def take(self) -> tuple[int, int]:
         counts, self.loads, self.encodes = (self.loads, self.encodes), 0, 0
         return counts
 
 
-def _run(tmp_path, name, **overrides):
-    result = ti.train(tiny_config(tmp_path, name, **overrides))
+def _run(tmp_path, name, vae: VaeCounter, **overrides):
+    alive_while_training = []
+
+    def listener(state, step):
+        if state == "training":
+            alive_while_training.append(vae.alive())
+
+    supervise.add_listener(listener)
+    try:
+        result = ti.train(tiny_config(tmp_path, name, **overrides))
+    finally:
+        supervise.remove_listener(listener)
+    assert alive_while_training == [0] * 6  # no VAE in memory at any step
     embeds = load_file(result.learned_embeds_path)["<dicoo>"]
     return embeds, [h["loss"] for h in result.history], result.summary["startup"]
 
@@ -62,12 +80,13 @@ def test_warm_cold_and_off_runs_are_identical_and_a_warm_run_never_loads_the_vae
     tmp_path, latent_cache_dir, monkeypatch
 ):
     vae = VaeCounter(monkeypatch)
-    cold = _run(tmp_path, "cold")
+    cold = _run(tmp_path, "cold", vae)
     assert vae.take() == (1, CALLS)
-    warm = _run(tmp_path, "warm")
+    warm = _run(tmp_path, "warm", vae)
     assert vae.take() == (0, 0)  # neither loaded nor called
-    off = _run(tmp_path, "off", latent_cache=False)
+    off = _run(tmp_path, "off", vae, latent_cache=False)
     assert vae.take() == (1, CALLS)
+    assert len(vae.loaded) == 2  # cold and off: each freed before its first step (checked in _run)
 
     assert torch.equal(warm[0], cold[0]) and torch.equal(off[0], cold[0])  # bit for bit
     assert warm[1] == cold[1] == off[1] and len(cold[1]) == 6
