@@ -213,6 +213,7 @@ def load_components(
     unet_dtype: torch.dtype = torch.float32,
     vae_dtype: torch.dtype = torch.float32,
     load_vae: bool = True,
+    tokenizer: Any = None,
 ) -> Components:
     """Load tokenizer, text encoder (fp32), VAE, UNet and the DDPM training scheduler.
 
@@ -220,14 +221,17 @@ def load_components(
     in, and an fp16 text encoder would train slowly and imprecisely on a CPU. The frozen UNet and
     VAE load in the dtype asked for (bf16 halves their memory where bf16 is native). With
     ``load_vae=False`` the VAE is not loaded (``vae`` is None): the engine loads it only when
-    latents are missing from its cache.
+    latents are missing from its cache. A ``tokenizer`` already loaded is used instead of loading
+    it again (0.3-0.4 s with the CLIP vocabulary).
     """
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
     path = resolve_model(pretrained_model_name_or_path, revision)
+    if tokenizer is None:
+        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer")
     return Components(
-        tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+        tokenizer=tokenizer,
         text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", dtype=torch.float32),
         vae=AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype) if load_vae else None,
         unet=UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=unet_dtype),

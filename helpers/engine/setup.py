@@ -225,7 +225,7 @@ def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cp
     # full pipeline takes the UNet from the base model, untouched.
     dtype = cpu.compute_dtype(precision.mixed_precision)
     supervise.beat("loading")  # each phase of a start counts as progress for helpers.launch
-    parts = models.load_components(model_dir, unet_dtype=dtype, load_vae=False)
+    parts = models.load_components(model_dir, unet_dtype=dtype, load_vae=False, tokenizer=tokenizer)
     supervise.beat("loaded")
     text_encoder, unet = parts.text_encoder, parts.unet
     noise_scheduler = parts.noise_scheduler
@@ -242,4 +242,4 @@ def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cp
         text_encoder.gradient_checkpointing_enable()
     if config.use_ipex:
         cpu.apply_ipex(unet, dtype)
-    return text_encoder, vae, unet, noise_scheduler, token_ids
+    return text_encoder, unet, noise_scheduler, token_ids
