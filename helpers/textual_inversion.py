@@ -9,7 +9,8 @@ What differs from diffusers' ``examples/textual_inversion/textual_inversion.py``
   all-reduces ``num_vectors x hidden`` floats per step instead of the whole matrix (152 MB).
 * The VAE encoder runs once per image view (each image, flipped or not) before training; each
   step samples the latent from the cached mean and std, which is the same distribution as
-  re-encoding.
+  re-encoding. The latents are also kept on disk (:mod:`helpers.engine.latents`), so a re-run
+  with the same pictures and VAE does not even load the VAE; the results stay the same bit for bit.
 * Every random draw of a sample (latent noise, diffusion noise, timestep) comes from a generator
   keyed by (seed, epoch, sample index). The run is therefore reproducible, a resumed run equals an
   uninterrupted one, and 2 processes x batch 1 compute the same update as 1 process x batch 2.
