@@ -176,10 +176,11 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     for k, r in results.items():
         if k.startswith("startup-"):  # bench/startup.py: time to the first step, latent cache off/cold/warm
             out += ["", *startup.table(r)]
-    groups: dict[tuple, dict[str, Any]] = {}
+    groups: dict[tuple, dict[tuple[str, str], Any]] = {}
     for r in opts:  # several files for one model and resolution make one table
         key = (r["model"], r["resolution"], r["batch"], r["threads"])
-        groups.setdefault(key, {}).update(r["options"])
+        precision = r.get("mixed_precision", "no")
+        groups.setdefault(key, {}).update({(name, precision): o for name, o in r["options"].items()})
     for (model, resolution, batch, threads), options in groups.items():
         out += [
             "",
@@ -189,8 +190,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             "| option | in the engine | without | with | speed-up | memory, note |",
             "|---|---|---|---|---|---|",
         ]
-        for name, o in options.items():
-            out.extend(_option_rows(name, o))
+        for (name, precision), o in options.items():
+            out.extend(_option_rows(name, o, precision))
     if infer:
         out += ["", *_inference_table(infer)]
     return "\n".join(out) + "\n"
@@ -271,7 +272,7 @@ PROCESS_NOTES = {
 }
 
 
-def _option_rows(name: str, o: dict[str, Any]) -> list[str]:
+def _option_rows(name: str, o: dict[str, Any], precision: str = "no") -> list[str]:
     if "on_s" in o:  # in-process A/B: steps interleaved in one process
         note = OPTION_NOTES.get(name, "")
         if name == "compile":
@@ -289,6 +290,8 @@ def _option_rows(name: str, o: dict[str, Any]) -> list[str]:
             continue
         variant = key[: -len("_speedup")]
         label, used = PROCESS_NOTES.get(variant, (variant, "no"))
+        if precision == "bf16":
+            label += " (bf16 runs)"
         without, with_ = "baseline", variant  # against the engine as it is
         if variant == "glibc_default":  # the engine's own setting, against glibc's defaults
             without, with_ = "glibc_default", "baseline"
