@@ -249,7 +249,9 @@ class TrainConfig:
         "folder of the latent cache (default: $WORKSHOP_LATENT_CACHE, else latents/ in "
         "$WORKSHOP_CACHE or ~/.cache/sd-cpu-workshop)",
     )
-    use_ipex: bool = _f(False, "optimise the UNet with Intel Extension for PyTorch (its environment: make setup-ipex)")
+    use_ipex: bool = _f(
+        False, "optimise the UNet with Intel Extension for PyTorch (its environment: make setup-ipex)"
+    )
 
     def __post_init__(self) -> None:
         self.validate()
