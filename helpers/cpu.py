@@ -258,23 +258,20 @@ def ipex_available() -> bool:
     return ipex_problem() is None
 
 
-def apply_ipex(unet: torch.nn.Module, dtype: torch.dtype) -> str:
+def apply_ipex(unet: torch.nn.Module, dtype: torch.dtype) -> None:
     """Optimise the frozen UNet with IPEX, as the engine does when ``use_ipex`` is on.
 
-    Two of IPEX's defaults break training through a frozen model, so both are off:
+    Two of IPEX's defaults break training through a frozen model (tests/test_ipex.py shows both),
+    so both are off:
 
-    - weight prepacking: on a module in eval mode it makes the convolutions inference-only and
-      the gradient reaching the placeholder silently becomes ``None``; in training mode its
-      backward fails ("Expected memory formats of X and dY are same");
-    - the automatic channels-last layout of convolution weights: group norm's backward then fails
-      with that same message.
+    - weight prepacking: prepacked linear layers have no autograd kernel, so the gradient reaching
+      the placeholder only flows around them (silently wrong) or is ``None``; prepacked
+      convolutions make group norm's backward fail ("Expected memory formats of X and dY are same");
+    - the automatic channels-last layout of convolution weights: the same group-norm failure.
 
     What remains is IPEX's operator kernels (registered when it is imported) and, for bf16, its
     cast of the UNet's weights. The text encoder, which carries the learned rows, is left alone.
     The engine checks after the first step that the placeholder gradient is non-zero.
-
-    Returns:
-        The IPEX version applied.
 
     Raises:
         RuntimeError: IPEX is not usable here (callers check :func:`ipex_problem` before loading).
@@ -301,4 +298,3 @@ def apply_ipex(unet: torch.nn.Module, dtype: torch.dtype) -> str:
         replace_dropout_with_identity=False,  # the model stays as loaded
     )
     unet.train(training)
-    return ipex.__version__
