@@ -1,5 +1,5 @@
-"""Seconds per image: PyTorch fp32 against OpenVINO dynamic, static, static int8 (and static bf16
-where the CPU has native bf16), side by side.
+"""Seconds per image: PyTorch fp32 against OpenVINO dynamic, static, static int8 (and static bf16,
+and int8 weights with bf16 compute, where the CPU has native bf16), side by side.
 
     python -m bench.inference --model tiny
     python -m bench.inference --model sd15-shape --resolution 512 --steps 20
@@ -30,6 +30,7 @@ from bench import common
 from helpers import cpu, inference
 
 TOKEN = "<bench>"
+INT8_BF16 = "openvino_static_int8_bf16"  # int8 weights, bf16 compute: only where bf16 is native
 PROMPT = f"a photo of {TOKEN} on a beach"
 
 
@@ -83,6 +84,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         }
         if inference.openvino_default_precision() == "bf16":
             loaders[inference.BF16_VARIANT] = lambda: static(fp32, precision="bf16")
+            loaders[INT8_BF16] = lambda: static(int8, precision="bf16")
         megabytes = {"fp32": inference.disk_megabytes(fp32), "int8": inference.disk_megabytes(int8)}
         names, seconds, images = list(loaders), {name: [] for name in loaders}, {}
         for round_ in range(args.repeats):

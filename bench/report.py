@@ -25,6 +25,7 @@ VARIANT_LABELS = {
     "openvino_static": "OpenVINO static",
     "openvino_static_int8": "OpenVINO static, int8 weights",
     inference.BF16_VARIANT: "OpenVINO static, bf16 (the CPU's default)",
+    "openvino_static_int8_bf16": "OpenVINO static, int8 weights, bf16 compute",
 }
 
 OPTION_NOTES = {

@@ -297,7 +297,9 @@ def test_inference_benchmark_on_tiny(tmp_path):
     args = ["--model", "tiny", "--steps", "2", "--repeats", "1", "--out", str(out)]
     result = bench_inference.main(bench_inference.parse_args(args))
     native = inference.openvino_default_precision() == "bf16"
-    expected = set(inference.VARIANTS) | ({inference.BF16_VARIANT} if native else set())
+    expected = set(inference.VARIANTS) | (
+        {inference.BF16_VARIANT, bench_inference.INT8_BF16} if native else set()
+    )
     assert set(result["seconds_per_image"]) == expected
     assert json.loads(out.read_text())["seconds_per_image"] == result["seconds_per_image"]
     assert all(len(v) == 1 and v[0] > 0 for v in result["seconds_per_image_all"].values())

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_parts import step_parts
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
@@ -60,26 +61,9 @@ def cli_runs(tmp_path_factory):
     return runs
 
 
-def _parts(dtype: torch.dtype = torch.float32):
-    """A fresh tiny model with one new row, its cached latents and AdamW over that row."""
-    base = models.load_components("tiny", unet_dtype=dtype)
-    ids = ti.add_placeholder_tokens(base.tokenizer, base.text_encoder, "<x>", "toy")
-    for module in (base.text_encoder, base.unet, base.vae):
-        module.requires_grad_(False)
-    ds = data.ConceptDataset(data.sample_concept_dir(), base.tokenizer, "<x>", size=64, repeats=2, seed=0)
-    mean, std = ti.cache_latents(base.vae, ds)
-    learned = ti.LearnedEmbeddings(base.text_encoder.get_input_embeddings().weight[ids], ids)
-    parts = ti.StepParts(
-        unet=base.unet,
-        text_encoder=base.text_encoder,
-        noise_scheduler=base.noise_scheduler,
-        learned=learned,
-        optimizer=torch.optim.AdamW(learned.parameters(), lr=LR, weight_decay=0.0),
-        latent_mean=mean,
-        latent_std=std,
-        scaling_factor=base.vae.config.scaling_factor,
-        seed=0,
-    )
+def _parts():
+    """A fresh tiny model with one new row and AdamW over it, and one batch of 1 per step."""
+    parts, ds = step_parts(lr=LR)
     batches = [
         {
             "index": torch.tensor([i]),

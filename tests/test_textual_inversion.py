@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_parts import step_parts
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
@@ -136,25 +137,8 @@ def test_only_new_rows_train_and_match_full_matrix_with_restore():
 
 
 def _step_parts(seed=0):
-    """A fresh tiny model, its dataset's cached latents and AdamW over one new row."""
-    base = models.load_components("tiny")
-    ids = ti.add_placeholder_tokens(base.tokenizer, base.text_encoder, "<x>", "toy")
-    for module in (base.text_encoder, base.unet, base.vae):
-        module.requires_grad_(False)
-    ds = data.ConceptDataset(data.sample_concept_dir(), base.tokenizer, "<x>", size=64, repeats=2, seed=seed)
-    mean, std = ti.cache_latents(base.vae, ds)
-    learned = ti.LearnedEmbeddings(base.text_encoder.get_input_embeddings().weight[ids], ids)
-    parts = ti.StepParts(
-        unet=base.unet,
-        text_encoder=base.text_encoder,
-        noise_scheduler=base.noise_scheduler,
-        learned=learned,
-        optimizer=torch.optim.AdamW(learned.parameters(), lr=1e-2, weight_decay=0.0),
-        latent_mean=mean,
-        latent_std=std,
-        scaling_factor=base.vae.config.scaling_factor,
-        seed=seed,
-    )
+    """A fresh tiny model, its dataset's cached latents and AdamW over one new row; two samples."""
+    parts, ds = step_parts(seed=seed)
     items = [{"index": i, **ds[i]} for i in (3, 7)]
     return parts, items
 

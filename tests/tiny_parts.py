@@ -1,0 +1,31 @@
+"""The parts of one optimisation step on the offline tiny model, for tests that call ``training_step``."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import data, models
+from helpers import textual_inversion as ti
+
+
+def step_parts(lr: float = 1e-2, seed: int = 0) -> tuple[ti.StepParts, data.ConceptDataset]:
+    """A fresh tiny model with one new row ``<x>``, its dataset's cached latents and AdamW over that row."""
+    base = models.load_components("tiny")
+    ids = ti.add_placeholder_tokens(base.tokenizer, base.text_encoder, "<x>", "toy")
+    for module in (base.text_encoder, base.unet, base.vae):
+        module.requires_grad_(False)
+    ds = data.ConceptDataset(data.sample_concept_dir(), base.tokenizer, "<x>", size=64, repeats=2, seed=seed)
+    mean, std = ti.cache_latents(base.vae, ds)
+    learned = ti.LearnedEmbeddings(base.text_encoder.get_input_embeddings().weight[ids], ids)
+    parts = ti.StepParts(
+        unet=base.unet,
+        text_encoder=base.text_encoder,
+        noise_scheduler=base.noise_scheduler,
+        learned=learned,
+        optimizer=torch.optim.AdamW(learned.parameters(), lr=lr, weight_decay=0.0),
+        latent_mean=mean,
+        latent_std=std,
+        scaling_factor=base.vae.config.scaling_factor,
+        seed=seed,
+    )
+    return parts, ds
