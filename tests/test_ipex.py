@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_parts import step_parts
+from tiny_parts import step_parts, tiny_config
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
@@ -100,17 +100,7 @@ def test_the_engine_applies_ipex_to_the_unet_with_prepacking_and_channels_last_o
         return original(unet, *args)
 
     monkeypatch.setattr("helpers.engine.step.diffusion_loss", loss_spy)
-    cfg = ti.TrainConfig(
-        pretrained_model_name_or_path="tiny",
-        train_data_dir=str(data.sample_concept_dir()),
-        placeholder_token="<dicoo>",
-        initializer_token="toy",
-        resolution=64,
-        max_train_steps=2,
-        mixed_precision="no",
-        use_ipex=True,
-        output_dir=str(tmp_path / "out"),
-    )
+    cfg = tiny_config(tmp_path, "out", max_train_steps=2, mixed_precision="no", use_ipex=True)
     result = ti.train(cfg)
     assert [c[0] for c in calls] == [UNet2DConditionModel]  # the UNet only, once
     kwargs = calls[0][1]

@@ -18,7 +18,7 @@ import torch
 from diffusers import AutoencoderKL
 from PIL import Image
 from safetensors.torch import load_file
-from test_textual_inversion import tiny_config  # tests/ is on sys.path under pytest
+from tiny_parts import tiny_config  # tests/ is on sys.path under pytest
 
 from helpers import data, models, supervise
 from helpers import textual_inversion as ti

@@ -10,27 +10,11 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_parts import step_parts
+from tiny_parts import step_parts, tiny_config
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
 from helpers.config import TrainConfig
-
-
-def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
-    values = dict(
-        pretrained_model_name_or_path="tiny",
-        train_data_dir=str(data.sample_concept_dir()),
-        placeholder_token="<dicoo>",
-        initializer_token="toy",
-        resolution=64,
-        max_train_steps=6,
-        learning_rate=5e-3,
-        output_dir=str(tmp_path / name),
-        seed=3,
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The parts of one optimisation step on the offline tiny model, for tests that call ``training_step``."""
+"""The offline tiny model for the training tests: a run's settings, and the parts of one optimisation step."""
 
 from __future__ import annotations
 
@@ -6,6 +6,24 @@ import torch
 
 from helpers import data, models
 from helpers import textual_inversion as ti
+from helpers.config import TrainConfig
+
+
+def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
+    """A short run of the tiny model on the bundled sample concept, into ``tmp_path / name``."""
+    values = dict(
+        pretrained_model_name_or_path="tiny",
+        train_data_dir=str(data.sample_concept_dir()),
+        placeholder_token="<dicoo>",
+        initializer_token="toy",
+        resolution=64,
+        max_train_steps=6,
+        learning_rate=5e-3,
+        output_dir=str(tmp_path / name),
+        seed=3,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
 
 
 def step_parts(lr: float = 1e-2, seed: int = 0) -> tuple[ti.StepParts, data.ConceptDataset]:
