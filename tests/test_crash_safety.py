@@ -24,8 +24,9 @@ import torch
 from accelerate import Accelerator
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
+from tiny_parts import tiny_settings
 
-from helpers import data, files, models
+from helpers import files, models
 from helpers import textual_inversion as ti
 from helpers.config import TrainConfig
 from helpers.engine import checkpoints
@@ -48,20 +49,8 @@ class Crash(RuntimeError):
 
 
 def settings(output_dir: Path, **overrides) -> dict:
-    values = dict(
-        pretrained_model_name_or_path="tiny",
-        train_data_dir=str(data.sample_concept_dir()),
-        placeholder_token="<dicoo>",
-        initializer_token="toy",
-        resolution=64,
-        max_train_steps=STEPS,
-        checkpointing_steps=2,
-        save_steps=100,
-        learning_rate=5e-3,
-        seed=3,
-        output_dir=str(output_dir),
-    )
-    return {**values, **overrides}
+    values = dict(max_train_steps=STEPS, checkpointing_steps=2, save_steps=100)
+    return tiny_settings(output_dir, **{**values, **overrides})
 
 
 def config(output_dir: Path, **overrides) -> TrainConfig:

@@ -9,8 +9,8 @@ from helpers import textual_inversion as ti
 from helpers.config import TrainConfig
 
 
-def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
-    """A short run of the tiny model on the bundled sample concept, into ``tmp_path / name``."""
+def tiny_settings(output_dir, **overrides) -> dict:
+    """A short run of the tiny model on the bundled sample concept, as ``TrainConfig`` fields."""
     values = dict(
         pretrained_model_name_or_path="tiny",
         train_data_dir=str(data.sample_concept_dir()),
@@ -19,11 +19,15 @@ def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
         resolution=64,
         max_train_steps=6,
         learning_rate=5e-3,
-        output_dir=str(tmp_path / name),
+        output_dir=str(output_dir),
         seed=3,
     )
-    values.update(overrides)
-    return TrainConfig(**values)
+    return {**values, **overrides}
+
+
+def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
+    """:func:`tiny_settings` into ``tmp_path / name``, as a checked ``TrainConfig``."""
+    return TrainConfig(**tiny_settings(tmp_path / name, **overrides))
 
 
 def step_parts(lr: float = 1e-2, seed: int = 0) -> tuple[ti.StepParts, data.ConceptDataset]:
