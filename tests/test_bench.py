@@ -212,6 +212,8 @@ def test_keep_freed_memory_stops_refaulting_big_blocks():
 
     from helpers import cpu
 
+    block_pages = 64_000_000 // resource.getpagesize()
+
     def faults() -> int:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(6):
@@ -223,7 +225,10 @@ def test_keep_freed_memory_stops_refaulting_big_blocks():
         faults()  # the heap grows to its working size once
         inside = faults()
     assert applied  # Linux with glibc, as here
-    assert outside > 6 * 15_000 and inside < outside / 10
+    # Outside, all six blocks are faulted in. Inside, they are reused. After a long test session,
+    # a small allocation left above the freed block can make the heap grow by one more block
+    # (seen in CI: exactly one block's pages), so one block is allowed, not two.
+    assert outside > 5.9 * block_pages and inside < 1.5 * block_pages
 
 
 def test_report_replaces_only_the_marked_block():
