@@ -31,7 +31,6 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
-from helpers.engine import setup as engine_setup
 from helpers.files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,11 +135,16 @@ def gemm_gflops(n: int = 2048, repeats: int = 6, dtype: torch.dtype = torch.floa
     return 2 * n**3 / best / 1e9
 
 
-def count_flops(fn: Callable[[], Any]) -> int:
-    """FLOPs of ``fn()`` as torch's FLOP counter sees them (matmuls, convolutions, attention)."""
+def flop_counts(fn: Callable[[], Any]) -> dict[str, int]:
+    """FLOPs of ``fn()`` per op (``"aten.convolution"``...), as torch's FLOP counter sees them."""
     with FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS) as counter:
         fn()
-    return int(counter.get_total_flops())
+    return {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of ``fn()`` as torch's FLOP counter sees them (matmuls, convolutions, attention)."""
+    return sum(flop_counts(fn).values())
 
 
 def onednn_seconds(fn: Callable[[], Any], modules: Iterable[torch.nn.Module]) -> dict[str, float]:
@@ -292,21 +296,31 @@ def make_setup(
 
     ``mixed_precision`` ("no" or "bf16") is the engine's option: both steps run their forward pass
     under the matching autocast, and the frozen UNet and VAE hold bf16 weights."""
+    concept = concept_dir(resolution, Path(workdir) / "concept")
+    return load_setup(model_dir(model), concept, resolution, batch_size, mixed_precision)
+
+
+def load_setup(
+    model: Path,
+    concept: Path,
+    resolution: int,
+    batch_size: int,
+    mixed_precision: str = "no",
+    placeholder: str = PLACEHOLDER,
+    initializer: str = INITIALIZER,
+    seed: int = SEED,
+) -> Setup:
+    """:func:`make_setup` from a model folder and an image folder."""
     dtype = cpu.compute_dtype(mixed_precision)  # diffusers' script casts both to it
-    parts = models.load_components(model_dir(model), unet_dtype=dtype, vae_dtype=dtype)
-    token_ids = ti.add_placeholder_tokens(parts.tokenizer, parts.text_encoder, PLACEHOLDER, INITIALIZER)
+    parts = models.load_components(model, unet_dtype=dtype, vae_dtype=dtype)
+    token_ids = ti.add_placeholder_tokens(parts.tokenizer, parts.text_encoder, placeholder, initializer)
     for module in (parts.text_encoder, parts.vae, parts.unet):
         module.requires_grad_(False)
         module.eval()
     dataset = data.ConceptDataset(
-        concept_dir(resolution, Path(workdir) / "concept"),
-        parts.tokenizer,
-        PLACEHOLDER,
-        size=resolution,
-        repeats=100,
-        seed=SEED,
+        concept, parts.tokenizer, placeholder, size=resolution, repeats=100, seed=seed
     )
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED)).tolist()
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
     return Setup(parts, token_ids, dataset, batch_size, order, mixed_precision=mixed_precision)
 
 
@@ -441,7 +455,7 @@ class ReferenceStep:
 
     name = "reference"
 
-    def __init__(self, setup: Setup):
+    def __init__(self, setup: Setup, learning_rate: float = LEARNING_RATE):
         self.setup = setup
         self.unet = setup.parts.unet
         self.text_encoder: torch.nn.Module = setup.parts.text_encoder  # or its DDP wrapper
@@ -449,7 +463,7 @@ class ReferenceStep:
         self.original = self.embedding.weight.detach().clone()
         self.keep = torch.ones(self.embedding.weight.shape[0], dtype=torch.bool)
         self.keep[min(setup.token_ids) : max(setup.token_ids) + 1] = False
-        self.optimizer = torch.optim.AdamW(self.embedding.parameters(), lr=LEARNING_RATE, weight_decay=1e-2)
+        self.optimizer = torch.optim.AdamW(self.embedding.parameters(), lr=learning_rate, weight_decay=1e-2)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -552,24 +566,25 @@ def run_engine(
         checkpointing_steps=steps + 1,
         output_dir=str(Path(workdir) / "out"),
         seed=SEED,
-        # encode as every run did before the latent cache: reset_then_cache runs only when it is off
+        # encode as every run did before the latent cache, so that the VAE is loaded (and the mark reset)
         **{"latent_cache": False, **overrides},
     )
-    cache_latents = engine_setup.cache_latents
+    load_vae = models.load_frozen_vae
 
-    def reset_then_cache(*args: Any, **kwargs: Any):
+    def load_then_reset(*args: Any, **kwargs: Any):
+        vae = load_vae(*args, **kwargs)
         reset_peak_rss()
-        return cache_latents(*args, **kwargs)
+        return vae
 
-    # setup_run calls it right after loading the weights
-    engine_setup.cache_latents = reset_then_cache
+    # setup_run loads the VAE right after the other weights, to encode the views
+    models.load_frozen_vae = load_then_reset
     keep_freed_memory = cpu.keep_freed_memory
     if not malloc_tuning:
         cpu.keep_freed_memory = lambda: nullcontext(False)
     try:
         history = ti.train(config).history
     finally:
-        engine_setup.cache_latents = cache_latents
+        models.load_frozen_vae = load_vae
         cpu.keep_freed_memory = keep_freed_memory
     return {
         "seconds_per_step": summarize([h["seconds"] for h in history[1:] or history])["median"],

@@ -207,6 +207,15 @@ def _locate_model(name: str, revision: str | None) -> Path:
     return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
 
 
+def load_frozen_vae(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """The VAE of a local model folder, in ``dtype``, frozen, in evaluation mode."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(Path(model_dir), subfolder="vae", torch_dtype=dtype)
+    vae.requires_grad_(False)
+    return vae.eval()
+
+
 def load_components(
     pretrained_model_name_or_path: str | os.PathLike,
     revision: str | None = None,
@@ -215,7 +224,7 @@ def load_components(
     load_vae: bool = True,
     tokenizer: Any = None,
 ) -> Components:
-    """Load tokenizer, text encoder (fp32), VAE, UNet and the DDPM training scheduler.
+    """Load tokenizer, text encoder (fp32), VAE (frozen, evaluation mode), UNet and the DDPM training scheduler.
 
     The text encoder is always loaded in fp32: transformers keeps the dtype weights were saved
     in, and an fp16 text encoder would train slowly and imprecisely on a CPU. The frozen UNet and
@@ -224,7 +233,7 @@ def load_components(
     latents are missing from its cache. A ``tokenizer`` already loaded is used instead of loading
     it again (0.3-0.4 s with the CLIP vocabulary).
     """
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from diffusers import DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
     path = resolve_model(pretrained_model_name_or_path, revision)
@@ -233,7 +242,7 @@ def load_components(
     return Components(
         tokenizer=tokenizer,
         text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", dtype=torch.float32),
-        vae=AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype) if load_vae else None,
+        vae=load_frozen_vae(path, vae_dtype) if load_vae else None,
         unet=UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=unet_dtype),
         noise_scheduler=DDPMScheduler.from_pretrained(path, subfolder="scheduler"),
         path=path,

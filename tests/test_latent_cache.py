@@ -116,7 +116,7 @@ def _dataset(folder, size=64, center_crop=False):
 def _loads(counter: list):
     def load(model_dir):
         counter.append(model_dir)
-        return latents.load_vae(model_dir)
+        return models.load_frozen_vae(model_dir)
 
     return load
 
@@ -125,7 +125,7 @@ def test_entries_are_what_the_encoder_computes(tmp_path, tiny_dir):
     ds = _dataset(data.sample_concept_dir())
     loaded: list = []
     got = latents.cached_latents(tmp_path, tiny_dir, ds, _loads(loaded))
-    mean, std = ti.cache_latents(latents.load_vae(tiny_dir), ds)
+    mean, std = ti.cache_latents(models.load_frozen_vae(tiny_dir), ds)
     assert torch.equal(got.mean, mean) and torch.equal(got.std, std) and got.mean.shape == (VIEWS, 4, 8, 8)
     assert got.scaling_factor == AutoencoderKL.load_config(tiny_dir, subfolder="vae")["scaling_factor"]
     again = latents.cached_latents(tmp_path, tiny_dir, ds, _loads(loaded))
@@ -154,7 +154,7 @@ def test_a_changed_image_resolution_crop_or_vae_misses(tmp_path, tiny_dir):
     img.save(last)
     changed = _dataset(images)
     assert found(changed) == CALLS - 1
-    mean, _ = ti.cache_latents(latents.load_vae(tiny_dir), changed)
+    mean, _ = ti.cache_latents(models.load_frozen_vae(tiny_dir), changed)
     assert torch.equal(latents.cached_latents(cache, tiny_dir, changed).mean, mean)  # same as no cache
 
     assert found(_dataset(images, size=72)) == 0
@@ -164,7 +164,7 @@ def test_a_changed_image_resolution_crop_or_vae_misses(tmp_path, tiny_dir):
     same = tmp_path / "same-model"
     shutil.copytree(tiny_dir / "vae", same / "vae")
     assert found(changed, same) == CALLS
-    vae = latents.load_vae(tiny_dir)
+    vae = models.load_frozen_vae(tiny_dir)
     with torch.no_grad():
         vae.encoder.conv_in.bias[0] += 1e-3
     vae.save_pretrained(tmp_path / "other-model" / "vae")
@@ -203,7 +203,7 @@ def test_a_cache_that_cannot_be_written_only_warns(tmp_path, tiny_dir, caplog):
     ds = _dataset(data.sample_concept_dir())
     with caplog.at_level("WARNING", logger="helpers.engine.latents"):
         got = latents.cached_latents(blocker / "cache", tiny_dir, ds)
-    mean, std = ti.cache_latents(latents.load_vae(tiny_dir), ds)
+    mean, std = ti.cache_latents(models.load_frozen_vae(tiny_dir), ds)
     assert torch.equal(got.mean, mean) and got.found == 0
     unwritten = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
     assert len(unwritten) == CALLS + 1  # the 3 entries and the VAE file's remembered digest

@@ -224,17 +224,8 @@ def _best_effort(write: Callable[[], object], path: Path) -> None:
         logger.warning("latent cache: could not write %s (%s); the run goes on without it", path, err)
 
 
-def load_vae(model_dir: str | os.PathLike):
-    """The model's VAE, float32, frozen, in evaluation mode."""
-    from diffusers import AutoencoderKL
-
-    vae = AutoencoderKL.from_pretrained(Path(model_dir), subfolder="vae", torch_dtype=torch.float32)
-    vae.requires_grad_(False)
-    return vae.eval()
-
-
 def cached_latents(
-    root: Path,
+    root: Path | None,
     model_dir: str | os.PathLike,
     dataset: data.ConceptDataset,
     vae_loader: Callable | None = None,
@@ -244,32 +235,37 @@ def cached_latents(
     The VAE is loaded only if some VAE call is missing, and freed before returning.
 
     Args:
-        root: the cache folder (:func:`cache_root`).
+        root: the cache folder (:func:`cache_root`); None (the cache off): encode every view,
+            read and write nothing.
         model_dir: the model's local folder (its ``vae/`` is hashed, and loaded if needed).
         dataset: the views to encode.
-        vae_loader: loads the VAE from ``model_dir``; default :func:`load_vae`.
+        vae_loader: loads the VAE from ``model_dir``; default :func:`helpers.models.load_frozen_vae`.
     """
-    vae_id = vae_digest(model_dir, root / "files")
-    context = encoder_context()
     calls = view_batches(dataset.num_views)
-    keys = [entry_key(vae_id, context, [view_key(dataset, v) for v in views]) for views in calls]
-    got = [read_entry(entry_path(root, key), key, len(views)) for key, views in zip(keys, calls, strict=True)]
+    keys: list[str] = []
+    got: list[tuple[torch.Tensor, torch.Tensor, float] | None] = [None] * len(calls)
+    if root is not None:
+        vae_id, context = vae_digest(model_dir, root / "files"), encoder_context()
+        keys = [entry_key(vae_id, context, [view_key(dataset, v) for v in views]) for views in calls]
+        got = [read_entry(entry_path(root, k), k, len(views)) for k, views in zip(keys, calls, strict=True)]
     missing = [i for i, entry in enumerate(got) if entry is None]
     if missing:
-        vae = (vae_loader or load_vae)(model_dir)
+        vae = (vae_loader or models.load_frozen_vae)(model_dir)
         scaling = vae.config.scaling_factor
         for i in missing:
             mean, std = encode_views(vae, dataset, calls[i])
             got[i] = (mean, std, scaling)
-            write_entry(entry_path(root, keys[i]), keys[i], mean, std, scaling)
+            if root is not None:
+                write_entry(entry_path(root, keys[i]), keys[i], mean, std, scaling)
         del vae  # never needed again
-    logger.info(
-        "latent cache %s: %d of %d VAE calls found%s",
-        root,
-        len(calls) - len(missing),
-        len(calls),
-        ", the VAE was not loaded" if not missing else "",
-    )
+    if root is not None:
+        logger.info(
+            "latent cache %s: %d of %d VAE calls found%s",
+            root,
+            len(calls) - len(missing),
+            len(calls),
+            ", the VAE was not loaded" if not missing else "",
+        )
     return CachedLatents(
         mean=torch.cat([m for m, _, _ in got]),
         std=torch.cat([s for _, s, _ in got]),

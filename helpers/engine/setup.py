@@ -21,7 +21,7 @@ from helpers.engine.rows import (
     add_placeholder_tokens,
     placeholder_tokens_for,
 )
-from helpers.engine.step import AllreduceCounter, EpochSampler, IndexedDataset, StepParts, cache_latents
+from helpers.engine.step import AllreduceCounter, EpochSampler, IndexedDataset, StepParts
 
 logger = get_logger(__name__)
 
@@ -126,16 +126,9 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     )
     # The VAE is loaded only when latents are missing, and freed once they are encoded.
     cache_dir = latents.cache_root(config.latent_cache, config.latent_cache_dir)
-    if cache_dir is None:
-        vae = latents.load_vae(model_dir)
-        latent_mean, latent_std = cache_latents(vae, dataset)
-        scaling = vae.config.scaling_factor
-        del vae  # never needed again: the encoder ran once per view
-        startup = {"latent_cache": None}
-    else:
-        cached = latents.cached_latents(cache_dir, model_dir, dataset)
-        latent_mean, latent_std, scaling = cached.mean, cached.std, cached.scaling_factor
-        startup = {"latent_cache": cached.report(cache_dir)}
+    cached = latents.cached_latents(cache_dir, model_dir, dataset)
+    latent_mean, latent_std, scaling = cached.mean, cached.std, cached.scaling_factor
+    startup = {"latent_cache": cached.report(cache_dir) if cache_dir else None}
     supervise.beat("latents cached")
 
     learned = LearnedEmbeddings(text_encoder.get_input_embeddings().weight[token_ids], token_ids)
