@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import common, startup
+from bench import common, end_to_end, optimisations, startup, step_ops
 from helpers import inference
 from helpers.files import write_text_atomic
 
@@ -131,6 +131,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             "",
             *_onednn_table(steps),
         ]
+    ops = [r for k, r in results.items() if k.startswith("step_ops-")]
+    if ops:  # bench/step_ops.py: the engine's step by family of ops, against the bound
+        out += ["", *step_ops.table(ops)]
     if comms:
         out += [
             "",
@@ -177,6 +180,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     for k, r in results.items():
         if k.startswith("startup-"):  # bench/startup.py: time to the first step, latent cache off/cold/warm
             out += ["", *startup.table(r)]
+    whole = [r for k, r in results.items() if k.startswith("end_to_end-")]
+    if whole:  # bench/end_to_end.py: the guides' command as whole processes
+        out += ["", *end_to_end.table(whole)]
     groups: dict[tuple, dict[tuple[str, str], Any]] = {}
     for r in opts:  # several files for one model and resolution make one table
         key = (r["model"], r["resolution"], r["batch"], r["threads"])
@@ -281,8 +287,11 @@ def _option_rows(name: str, o: dict[str, Any], precision: str = "no") -> list[st
         off, on = o["seconds"]["off"], o["seconds"]["on"]
         off_cell, on_cell = (_spread(r["median"], r["min"], r["max"], r["n"], "steps") for r in (off, on))
         used = "yes" if o["used_by_engine"] else "no"
+        label = name + (
+            " (bf16 runs)" if precision == "bf16" and name not in optimisations.NEEDS_BF16 else ""
+        )
         return [
-            f"| {name} | {used} | {off_cell} | {on_cell} | {o['speedup']:.2f}x | "
+            f"| {label} | {used} | {off_cell} | {on_cell} | {o['speedup']:.2f}x | "
             f"{note}{_inside(off['min'], off['max'], on['min'], on['max'])} |"
         ]
     rows = []

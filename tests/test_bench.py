@@ -7,7 +7,17 @@ import json
 import pytest
 import torch
 
-from bench import allreduce, common, optimisations, report, startup, stress_launch, train_step
+from bench import (
+    allreduce,
+    common,
+    end_to_end,
+    optimisations,
+    report,
+    startup,
+    step_ops,
+    stress_launch,
+    train_step,
+)
 from bench import inference as bench_inference
 from helpers import data, inference, models
 
@@ -350,3 +360,129 @@ def test_startup_benchmark_on_tiny(tmp_path):
     for r in result["runs"]:
         assert 0 < r["train_seconds_to_first_step"] < r["process_seconds_to_first_step"] < r["wall_seconds"]
     assert "| warm |" in "\n".join(startup.table(result))
+
+
+def _flag_values(tokens: list[str]) -> dict[str, str | bool]:
+    """``--name=value``, ``--name value`` and ``--switch`` tokens as a dict."""
+    values: dict[str, str | bool] = {}
+    for i, token in enumerate(tokens):
+        if not token.startswith("--"):
+            continue
+        name, eq, value = token[2:].partition("=")
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else "--"
+        values[name] = value if eq else (nxt if not nxt.startswith("--") else True)
+    return values
+
+
+def test_end_to_end_runs_the_guides_command_with_only_the_named_swaps(tmp_path):
+    import shlex
+
+    from test_guides import TRAIN_FLAGS  # the guides' command as printed
+
+    guide = _flag_values(shlex.split(TRAIN_FLAGS.replace("\\\n", " ")))
+    ours = _flag_values(end_to_end.guide_flags(tmp_path / "m", tmp_path / "c", 256, 30, "no", tmp_path / "o"))
+    swapped = {"pretrained_model_name_or_path", "train_data_dir", "resolution", "max_train_steps"}
+    swapped |= {"output_dir", "mixed_precision"}
+    assert set(ours) == set(guide)
+    assert {k: v for k, v in ours.items() if k not in swapped} == {
+        k: v for k, v in guide.items() if k not in swapped
+    }
+    assert (ours["resolution"], ours["max_train_steps"], ours["mixed_precision"]) == ("256", "30", "no")
+
+
+def test_reference_program_trains_only_the_new_row_and_saves_the_guides_layout(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    concept = common.concept_dir(64, tmp_path / "concept")
+    out = tmp_path / "out"
+    flags = end_to_end.guide_flags(models.tiny_pipeline_dir(), concept, 64, 3, "no", out)
+    history = end_to_end.reference(flags)
+    assert len(history["step_seconds"]) == 3 and history["process_seconds_to_first_step"] > 0
+    assert json.loads((out / end_to_end.HISTORY).read_text()) == history
+    learned = load_file(out / "learned_embeds.safetensors")
+    assert list(learned) == ["<dicoo>"]
+    before = CLIPTextModel.from_pretrained(models.tiny_pipeline_dir(), subfolder="text_encoder")
+    after = CLIPTextModel.from_pretrained(out, subfolder="text_encoder")  # the full pipeline
+    old, new = before.get_input_embeddings().weight, after.get_input_embeddings().weight
+    assert new.shape[0] == old.shape[0] + 1
+    assert torch.equal(new[: old.shape[0]], old)  # every other row restored after each step
+    (toy,) = CLIPTokenizer.from_pretrained(out, subfolder="tokenizer").encode("toy", add_special_tokens=False)
+    assert torch.equal(learned["<dicoo>"][0], new[-1])
+    # moved from its initializer: 3 AdamW steps at 2e-3 move an element by about 6e-3
+    assert 0 < (new[-1] - old[toy]).abs().max() < 0.05
+
+
+def test_end_to_end_benchmark_on_tiny(tmp_path):
+    """Three whole processes: ours fills the latent cache, the re-run reads it, the reference runs."""
+    out = tmp_path / "e2e.json"
+    result = end_to_end.main(
+        end_to_end.parse_args(["--model", "tiny", "--resolution", "64", "--steps", "2", "--out", str(out)])
+    )
+    assert json.loads(out.read_text())["modes"] == ["ours", "ours_warm", "reference"]
+    assert [r["mode"] for r in result["runs"]] == ["ours", "ours_warm", "reference"]
+    assert all(r["steps_recorded"] == 2 for r in result["runs"])
+    caches = {r["mode"]: r["latent_cache"] for r in result["runs"]}
+    assert (caches["ours"]["found"], caches["ours"]["vae_loaded"]) == (0, True)
+    assert (caches["ours_warm"]["found"], caches["ours_warm"]["vae_loaded"]) == (3, False)
+    assert caches["reference"] is None
+    for r in result["runs"]:
+        assert 0 < r["process_seconds_to_first_step"] < r["wall_seconds"]
+    m = result["medians"]
+    assert result["speedup_ours"] == m["reference"]["wall_seconds"] / m["ours"]["wall_seconds"]
+    rows = end_to_end.table([result])
+    assert rows[-1].startswith("| tiny | 64 | fp32 | 2 | ")
+    assert rows[-1].endswith(
+        f"| **{result['speedup_ours']:.2f}x** | {result['speedup_ours_warm']:.2f}x | "
+        f"{m['reference']['seconds_per_step']:.2f} / {m['ours']['seconds_per_step']:.2f} s |"
+    )
+
+
+def test_end_to_end_refuses_a_warm_run_without_its_first_run(capsys):
+    with pytest.raises(SystemExit):
+        end_to_end.parse_args(["--modes", "ours_warm", "reference"])
+    assert "--modes ours_warm needs ours" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("aten::mkldnn_convolution", "convolution"),
+        ("aten::convolution_backward", "convolution"),
+        ("aten.convolution", "convolution"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("aten._scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+        ("aten::addmm", "matmul"),
+        ("aten.mm", "matmul"),
+        ("aten::bmm", "matmul"),
+        ("aten::native_group_norm_backward", "normalisation"),
+        ("aten::silu_backward", "activation"),
+        ("aten::copy_", "copies, casts and fills"),
+        ("aten::to", "copies, casts and fills"),
+        ("aten::add", "element-wise and other"),
+        ("aten::mul", "element-wise and other"),
+        ("aten::transpose", "element-wise and other"),
+    ],
+)
+def test_step_ops_families(name, expected):
+    assert step_ops.family(name) == expected
+
+
+def test_step_ops_benchmark_on_tiny(tmp_path):
+    """The families partition the profiled time exactly; FLOPs only where the counter has a formula."""
+    result = step_ops.main(
+        step_ops.parse_args(
+            ["--model", "tiny", "--resolution", "64", "--steps", "1", "--out", str(tmp_path / "o.json")]
+        )
+    )
+    fam = result["families"]
+    assert sum(f["seconds"] for f in fam.values()) == pytest.approx(
+        result["profiled_seconds_per_step"], rel=1e-9
+    )
+    assert min(fam[k]["gflop"] for k in ("convolution", "attention", "matmul")) > 0
+    for k in ("normalisation", "activation", "copies, casts and fills", "element-wise and other"):
+        assert fam[k]["gflop"] == 0 and fam[k]["seconds_lost"] == fam[k]["seconds"]
+    assert sum(f["gflop"] for f in fam.values()) == pytest.approx(result["gflop_per_step"], rel=1e-9)
+    assert len(result["top_ops"]) == step_ops.TOP_OPS
+    rows = step_ops.table([result])
+    assert rows[-1].startswith(f"| | | | **step** | **{result['seconds_per_step']:.2f}** ")

@@ -1,0 +1,268 @@
+"""The guides' training command, end to end: ours against the reference-style program, as whole processes.
+
+    python -m bench.end_to_end --steps 30 [--mixed_precision no|bf16] [--modes ours ours_warm reference]
+
+The command line is the guides' (``--learnable_property object --placeholder_token "<dicoo>"
+--initializer_token toy --train_batch_size 1 --seed 7 --learning_rate 2.0e-03 --scale_lr
+--lr_scheduler constant --save_as_full_pipeline ...``) with only the model (``--model``, default the
+offline SD v1.5-shape pipeline), the images (the bundled sample concept), the resolution, the step
+count and the precision swapped. Each mode is one fresh process, timed from its start to its exit:
+
+* ``ours``: ``python -m helpers.train`` with an empty latent-cache folder (a first run);
+* ``ours_warm``: the same command again on the folder ``ours`` just filled (a re-run);
+* ``reference``: :func:`reference`, a program shaped like diffusers'
+  ``examples/textual_inversion/textual_inversion.py`` (which cannot run here: it imports
+  torchvision, which does not import beside this torch). It loads the components as the script does
+  (UNet and VAE cast to the compute dtype), trains the whole token-embedding matrix with AdamW and
+  restores the other rows after each step, runs the VAE encoder in every step, then saves the
+  learned embeddings and the full pipeline. Same thread count as ours; glibc's default allocator
+  (the script does not tune it).
+
+Per mode: the whole command's seconds, seconds to the first step, the steady seconds per step
+(median of the steps after the first), and the ratio reference / ours. Results go to
+``bench/results/end_to_end-<model>-<px>px-<steps>steps-<precision>.json``; ``bench.report`` puts
+them in the README. Not part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import common, startup
+from helpers import cpu
+
+MODES = ("ours", "ours_warm", "reference")
+PLACEHOLDER, INITIALIZER, SEED = "<dicoo>", "toy", 7  # as in the guides' command
+HISTORY = "reference_history.json"  # the reference program's own step times, in its output_dir
+
+
+def guide_flags(
+    model: Path, concept: Path, resolution: int, steps: int, precision: str, output_dir: Path
+) -> list[str]:
+    """The guides' command line with the model, images, resolution, steps and precision swapped."""
+    return ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(concept),
+            "--learnable_property", "object", "--placeholder_token", PLACEHOLDER,
+            "--initializer_token", INITIALIZER, "--resolution", str(resolution), "--train_batch_size", "1",
+            "--seed", str(SEED), "--gradient_accumulation_steps", "1", "--max_train_steps", str(steps),
+            "--learning_rate", "2.0e-03", "--scale_lr", "--lr_scheduler", "constant", "--lr_warmup_steps", "0",
+            "--output_dir", str(output_dir), "--mixed_precision", precision, "--save_as_full_pipeline"]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.end_to_end", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="sd15-shape", help="sd15-shape, tiny or a local diffusers folder")
+    parser.add_argument("--resolution", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30, help="--max_train_steps of the command")
+    parser.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every mode (alternating order)")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per run (default 600 + 30 per step)"
+    )
+    parser.add_argument("--out", default=None, help="default: bench/results/end_to_end-<...>.json")
+    parser.add_argument("--reference", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the child
+    args = parser.parse_args(argv)
+    if args.mixed_precision == "bf16" and not cpu.has_native_bf16() and args.reference is None:
+        parser.error("--mixed_precision bf16: this CPU has no native bf16 (100x slower there); use no")
+    if "ours_warm" in args.modes and "ours" not in args.modes:
+        parser.error("--modes ours_warm needs ours (it re-runs on the latent cache ours fills)")
+    return args
+
+
+def reference(argv: list[str]) -> dict[str, Any]:
+    """The reference-style program (see the module docstring), on ``helpers.train``'s flags.
+
+    Writes ``learned_embeds.safetensors``, the full pipeline (with ``--save_as_full_pipeline``) and
+    :data:`HISTORY` (seconds to the first step from the process's start, each step's seconds).
+    """
+    import psutil
+    import safetensors.torch
+    from diffusers import StableDiffusionPipeline
+    from tqdm.auto import tqdm
+
+    from helpers import models
+    from helpers.config import parse_args as train_args
+
+    config = train_args(argv)
+    cpu.set_threads(None)  # the same thread count as the engine
+    import torch
+
+    torch.manual_seed(config.seed)
+    model = models.resolve_model(config.pretrained_model_name_or_path)
+    setup = common.load_setup(
+        model,
+        Path(config.train_data_dir),
+        config.resolution,
+        config.train_batch_size,
+        config.mixed_precision,
+        config.placeholder_token,
+        config.initializer_token,
+        config.seed,
+    )
+    lr = config.learning_rate * (
+        config.train_batch_size * config.gradient_accumulation_steps if config.scale_lr else 1
+    )
+    step = common.ReferenceStep(setup, learning_rate=lr)
+    to_first = time.time() - psutil.Process().create_time()
+    seconds = []
+    with step.active():
+        for i in tqdm(range(config.max_train_steps), desc="Steps"):
+            start = time.perf_counter()
+            step(i)
+            seconds.append(time.perf_counter() - start)
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = setup.parts
+    if config.save_as_full_pipeline:
+        pipe = StableDiffusionPipeline.from_pretrained(
+            model, text_encoder=parts.text_encoder, vae=parts.vae, unet=parts.unet, tokenizer=parts.tokenizer
+        )
+        pipe.save_pretrained(out)
+    rows = step.embedding.weight[min(setup.token_ids) : max(setup.token_ids) + 1].detach()
+    safetensors.torch.save_file({config.placeholder_token: rows}, out / "learned_embeds.safetensors")
+    history = {"process_seconds_to_first_step": to_first, "step_seconds": seconds}
+    common.write_json(out / HISTORY, history)
+    return history
+
+
+def run_once(
+    mode: str, model: Path, concept: Path, cache: Path, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """One whole process of ``mode``; its wall time, time to the first step and step times."""
+    out = tmp / f"out-{mode}"
+    flags = guide_flags(model, concept, args.resolution, args.steps, args.mixed_precision, out)
+    if mode == "reference":
+        argv = [sys.executable, "-m", "bench.end_to_end", "--reference", *flags]
+    else:
+        argv = [sys.executable, "-m", "helpers.train", *flags, "--latent_cache_dir", str(cache)]
+    env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
+    timeout = args.timeout or 600 + 30 * args.steps
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{mode} did not finish within {timeout:.0f} s (--timeout)") from exc
+    wall = time.monotonic() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    cache = None
+    if mode == "reference":
+        history = json.loads((out / HISTORY).read_text())
+        to_first, steps = history["process_seconds_to_first_step"], history["step_seconds"]
+    else:
+        record = json.loads((out / "run_summary.json").read_text())["startup"]
+        to_first, cache = record["process_seconds_to_first_step"], record["latent_cache"]
+        steps = [h["seconds"] for h in json.loads((out / "history.json").read_text())]
+    if not (out / "learned_embeds.safetensors").is_file() or not (out / "model_index.json").is_file():
+        raise RuntimeError(
+            f"{mode} exited 0 without learned_embeds.safetensors and the full pipeline in {out}"
+        )
+    steady = steps[1:] or steps
+    return {
+        "mode": mode,
+        "wall_seconds": wall,
+        "process_seconds_to_first_step": to_first,
+        "first_step_seconds": steps[0],
+        "seconds_per_step": statistics.median(steady),
+        "steps_recorded": len(steps),
+        "latent_cache": cache,
+    }
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.reference is not None:
+        return reference(args.reference)
+    model = common.model_dir(args.model)
+    startup.read_model_files(model)  # so that no mode pays for the first read from disk
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-end-to-end-") as work:
+        tmp = Path(work)
+        concept = common.concept_dir(args.resolution, tmp / "concept")
+        for round_ in range(args.rounds):
+            cache = tmp / f"cache-{round_}"  # empty: ours fills it, ours_warm reads it
+            ours = [m for m in args.modes if m != "reference"]  # ours_warm always right after ours
+            ref = ["reference"] if "reference" in args.modes else []
+            for mode in ours + ref if round_ % 2 == 0 else ref + ours:
+                with tempfile.TemporaryDirectory(dir=tmp) as run_dir:
+                    run = run_once(mode, model, concept, cache, args, Path(run_dir))
+                runs.append({"round": round_, **run})
+                print(
+                    f"round {round_} {mode:>9}: whole command {run['wall_seconds']:7.1f} s, first step after "
+                    f"{run['process_seconds_to_first_step']:5.1f} s, {run['seconds_per_step']:.2f} s/step",
+                    flush=True,
+                )
+    fields = ("wall_seconds", "process_seconds_to_first_step", "first_step_seconds", "seconds_per_step")
+    medians = {
+        m: {f: statistics.median(r[f] for r in runs if r["mode"] == m) for f in fields} for m in args.modes
+    }
+    result: dict[str, Any] = {
+        "model": args.model,
+        "resolution": args.resolution,
+        "batch": 1,
+        "steps": args.steps,
+        "mixed_precision": args.mixed_precision,
+        "threads": cpu.physical_cores(),
+        "rounds": args.rounds,
+        "modes": list(args.modes),
+        "medians": medians,
+        "runs": runs,
+        "machine": common.machine(),
+    }
+    if "reference" in medians:
+        ref = medians["reference"]
+        for m in ("ours", "ours_warm"):
+            if m in medians:
+                result[f"speedup_{m}"] = ref["wall_seconds"] / medians[m]["wall_seconds"]
+                result[f"step_speedup_{m}"] = ref["seconds_per_step"] / medians[m]["seconds_per_step"]
+    precision = "bf16" if args.mixed_precision == "bf16" else "fp32"
+    out = (
+        args.out
+        or common.RESULTS / f"end_to_end-{args.model}-{args.resolution}px-{args.steps}steps-{precision}.json"
+    )
+    common.write_json(out, result)
+    print("\n" + "\n".join(table([result])))
+    print(f"\nwrote {out}")
+    return result
+
+
+def table(results: list[dict[str, Any]]) -> list[str]:
+    """Markdown: whole-command seconds per mode and the ratios, one row per command."""
+    lines = [
+        "The guides' command end to end (whole processes, one after the other; medians; the reference is "
+        "the reference-style program of `bench/end_to_end.py`):",
+        "",
+        "| model | px | precision | steps | reference, s | ours (first run), s | ours (re-run), s "
+        "| reference / ours | reference / ours re-run | s/step reference / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(
+        results, key=lambda r: (r["model"], r["resolution"], r["mixed_precision"] != "no", r["steps"])
+    )
+    for r in order:
+        m = r["medians"]
+        wall = {mode: f"{v['wall_seconds']:.0f}" for mode, v in m.items()}
+        ref, ours = m.get("reference"), m.get("ours")
+        per_step = (
+            f"{ref['seconds_per_step']:.2f} / {ours['seconds_per_step']:.2f} s" if ref and ours else "-"
+        )
+        first = f"**{r['speedup_ours']:.2f}x**" if "speedup_ours" in r else "-"
+        rerun = f"{r['speedup_ours_warm']:.2f}x" if "speedup_ours_warm" in r else "-"
+        lines.append(
+            f"| {r['model']} | {r['resolution']} | {'bf16' if r['mixed_precision'] == 'bf16' else 'fp32'} | "
+            f"{r['steps']} | {wall.get('reference', '-')} | {wall.get('ours', '-')} | "
+            f"{wall.get('ours_warm', '-')} | {first} | {rerun} | {per_step} |"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    main(parse_args())
