@@ -129,8 +129,8 @@ def vae_digest(model_dir: str | os.PathLike, memo_dir: Path | None = None) -> st
     return h.hexdigest()
 
 
-def encoder_context() -> dict:
-    """What else decides the encoder's rounding here (versions, CPU kernels, threads, dtype).
+def encoder_context(dtype: torch.dtype = torch.float32) -> dict:
+    """What else decides the encoder's rounding here (versions, CPU kernels, threads, ``dtype``).
 
     Once imported (``use_ipex``), IPEX replaces operator kernels process-wide, the VAE's among them.
     """
@@ -144,7 +144,7 @@ def encoder_context() -> dict:
         "diffusers": diffusers.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
-        "dtype": "float32",
+        "dtype": str(dtype).removeprefix("torch."),
         "ipex": getattr(ipex, "__version__", None),
     }
 
@@ -229,6 +229,7 @@ def cached_latents(
     model_dir: str | os.PathLike,
     dataset: data.ConceptDataset,
     vae_loader: Callable | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> CachedLatents:
     """Every view's latent distribution: read from the cache, encoding (and storing) only what is missing.
 
@@ -239,18 +240,21 @@ def cached_latents(
             read and write nothing.
         model_dir: the model's local folder (its ``vae/`` is hashed, and loaded if needed).
         dataset: the views to encode.
-        vae_loader: loads the VAE from ``model_dir``; default :func:`helpers.models.load_frozen_vae`.
+        vae_loader: ``vae_loader(model_dir, dtype)`` loads the VAE; default
+            :func:`helpers.models.load_frozen_vae`.
+        dtype: the VAE's weights and arithmetic: float32, or bfloat16 in bf16 runs (as diffusers'
+            script encodes; the latents are returned in float32 either way).
     """
     calls = view_batches(dataset.num_views)
     keys: list[str] = []
     got: list[tuple[torch.Tensor, torch.Tensor, float] | None] = [None] * len(calls)
     if root is not None:
-        vae_id, context = vae_digest(model_dir, root / "files"), encoder_context()
+        vae_id, context = vae_digest(model_dir, root / "files"), encoder_context(dtype)
         keys = [entry_key(vae_id, context, [view_key(dataset, v) for v in views]) for views in calls]
         got = [read_entry(entry_path(root, k), k, len(views)) for k, views in zip(keys, calls, strict=True)]
     missing = [i for i, entry in enumerate(got) if entry is None]
     if missing:
-        vae = (vae_loader or models.load_frozen_vae)(model_dir)
+        vae = (vae_loader or models.load_frozen_vae)(model_dir, dtype)
         scaling = vae.config.scaling_factor
         for i in missing:
             mean, std = encode_views(vae, dataset, calls[i])
