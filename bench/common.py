@@ -27,10 +27,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    conv_flop_count,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
+from helpers.engine import prepack
 from helpers.files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,10 +56,17 @@ def _cpu_sdpa_backward_flops(
     return sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape)
 
 
-# torch's FLOP counter has no formula for the CPU flash-attention kernels; they are SDPA all the same.
-CPU_SDPA_FLOPS = {
+def _packed_conv_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return conv_flop_count(x_shape, w_shape, out_shape, transposed=False)
+
+
+# torch's FLOP counter has no formula for the CPU flash-attention kernels (SDPA all the same), nor
+# for oneDNN's convolution op that the engine's prepacked convolutions call (helpers.engine.prepack),
+# forward and input gradient alike: the same FLOPs as the aten convolutions they replace.
+CPU_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+    torch.ops.mkldnn._convolution_pointwise: _packed_conv_flops,
 }
 
 
@@ -137,7 +150,7 @@ def gemm_gflops(n: int = 2048, repeats: int = 6, dtype: torch.dtype = torch.floa
 
 def flop_counts(fn: Callable[[], Any]) -> dict[str, int]:
     """FLOPs of ``fn()`` per op (``"aten.convolution"``...), as torch's FLOP counter sees them."""
-    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS) as counter:
+    with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter:
         fn()
     return {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
 
@@ -427,12 +440,17 @@ class OursStep:
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """Route the token embedding through the learned rows (the frozen matrix gets no gradient)."""
+        """Route the token embedding through the learned rows (the frozen matrix gets no gradient),
+        with the UNet's convolutions prepacked as the engine has them (``prepack_convs``). On exit
+        the UNet is plain again (the reference shares it); the packed copies are kept for next time."""
         self.hook = ti.EmbeddingHook(self.setup.parts.text_encoder, self.learned)
+        convs = [m for m in self.setup.parts.unet.modules() if prepack.pack_conv(m)]
         try:
             yield
         finally:
             self.hook.remove()
+            for conv in convs:
+                prepack.unpack_conv(conv, free=False)
 
     def __call__(self, step: int, timer: PhaseTimer | None = None) -> float:
         batch = self.setup.batch(step)

@@ -7,8 +7,10 @@ In-process options are switched on and off on the same modules, interleaved step
 the engine's step without them (everything else as the engine has it, including
 ``helpers.cpu.keep_freed_memory``): ``channels_last``, the attention kernel (``attention_math``:
 SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbmm + softmax),
-``flush_denormal``, ``prepacked_convs`` (``bench/prepack.py``) and ``compile`` (``torch.compile``
-of the UNet; compile time reported separately). Process-level options run the real engine,
+``flush_denormal``, ``prepacked_convs`` (the engine's ``prepack_convs``, :mod:`helpers.engine.prepack`;
+``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``fused_qkv`` (diffusers'
+``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
+separately). Process-level options run the real engine,
 ``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
 (glibc's defaults, tcmalloc or jemalloc through ``LD_PRELOAD``, ``THP_MEM_ALLOC_ENABLE``),
 ``omp_affinity`` (``OMP_PROC_BIND=close OMP_PLACES=cores``), ``gradient_checkpointing``
@@ -32,8 +34,9 @@ from typing import Any
 
 import torch
 
-from bench import common, prepack
+from bench import common
 from helpers import cpu
+from helpers.engine import prepack
 
 ALLOCATORS = {
     "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -99,14 +102,35 @@ def _flush_denormal(on: bool) -> Callable[[common.OursStep], None]:
     return lambda step: torch.set_flush_denormal(on)
 
 
-def _prepacked(on: bool, keep: bool = True) -> Callable[[common.OursStep], None]:
+def _prepacked(
+    on: bool, keep: bool = True, forward: bool = True, backward: bool = True
+) -> Callable[[common.OursStep], None]:
     def apply(step: common.OursStep) -> None:
         for module in step.setup.parts.unet.modules():
             if isinstance(module, torch.nn.Conv2d):
                 if on:
-                    prepack.pack_conv(module)
+                    prepack.pack_conv(module, forward=forward, backward=backward)
                 else:  # keep the reordered copies while comparing; freed at the end
                     prepack.unpack_conv(module, free=not keep)
+
+    return apply
+
+
+def _fused_qkv(on: bool) -> Callable[[common.OursStep], None]:
+    """diffusers' ``fuse_qkv_projections``: one GEMM for q, k, v (self-attention), one for k, v (cross).
+
+    The fused copies are made once and kept frozen; switching off restores the separate projections.
+    """
+
+    def apply(step: common.OursStep) -> None:
+        from diffusers.models.attention_processor import AttnProcessor2_0, FusedAttnProcessor2_0
+
+        unet = step.setup.parts.unet
+        if on and not getattr(unet, "_bench_fused", False):
+            unet.fuse_qkv_projections()
+            unet.requires_grad_(False)
+            unet._bench_fused = True
+        unet.set_attn_processor(FusedAttnProcessor2_0() if on else AttnProcessor2_0())
 
     return apply
 
@@ -123,7 +147,10 @@ IN_PROCESS = {
         Option("attention_math", _math.on, _math.off),
         Option("attention_classic", _attn_processor("classic"), _attn_processor("sdpa")),
         Option("flush_denormal", _flush_denormal(True), _flush_denormal(False)),
-        Option("prepacked_convs", _prepacked(True), _prepacked(False)),
+        Option("prepacked_convs", _prepacked(True), _prepacked(False), engine=True),
+        Option("prepacked_convs_forward", _prepacked(True, backward=False), _prepacked(False)),
+        Option("prepacked_convs_backward", _prepacked(True, forward=False), _prepacked(False)),
+        Option("fused_qkv", _fused_qkv(True), _fused_qkv(False)),
         Option("bf16_weights", _bf16_weights(True), _bf16_weights(False), engine=True),
     )
 }
@@ -191,8 +218,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             applicable = [
                 o for n, o in IN_PROCESS.items() if n not in NEEDS_BF16 or args.mixed_precision == "bf16"
             ]
-            for option in applicable:  # start from the engine's configuration
-                (option.on if option.engine else option.off)(ours)
+
+            def engine_configuration() -> (
+                None
+            ):  # options off first: variants share modules with engine options
+                for option in sorted(applicable, key=lambda o: o.engine):
+                    (option.on if option.engine else option.off)(ours)
+
+            engine_configuration()
             try:
                 with ours.active(), cpu.keep_freed_memory():  # as the engine's loop
                     for name in in_process:
@@ -200,6 +233,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             result = _compile(ours, args.steps)
                         else:
                             result = _ab(ours, IN_PROCESS[name], args.steps)
+                        engine_configuration()
                         report["options"][name] = result
                         print(_line(name, result), flush=True)
             finally:
@@ -261,7 +295,11 @@ def _ab(step: common.OursStep, option: Option, n: int) -> dict[str, Any]:
 
 
 def _compile(step: common.OursStep, n: int) -> dict[str, Any]:
-    """``torch.compile`` of the UNet: first-call time (compile) separately, then steady-state steps."""
+    """``torch.compile`` of the UNet: first-call time (compile) separately, then steady-state steps.
+
+    Both sides run plain convolutions (not prepacked): inductor lays out the weights itself.
+    """
+    _prepacked(False)(step)
     eager = step.unet
     compiled = torch.compile(eager)
     step.unet = compiled

@@ -33,7 +33,11 @@ OPTION_NOTES = {
     "attention_math": "SDPA math backend instead of the CPU flash kernel",
     "attention_classic": "diffusers `AttnProcessor` (baddbmm + softmax) instead of SDPA",
     "flush_denormal": "`torch.set_flush_denormal(True)`",
-    "prepacked_convs": "conv weights reordered for oneDNN once (`bench/prepack.py`); +2 x 2.19 GiB of weight copies",
+    "prepacked_convs": "conv weights laid out for oneDNN once, forward and input gradient "
+    "(`helpers/engine/prepack.py`); two more copies of them: +4.4 GiB fp32, +2.2 GiB bf16",
+    "prepacked_convs_forward": "the forward's copy only (half the memory), against no copies",
+    "prepacked_convs_backward": "the input gradient's copy only (half the memory), against no copies",
+    "fused_qkv": "diffusers' `fuse_qkv_projections()`: one GEMM for q, k, v (self-attention), one for k, v",
     "compile": "`torch.compile(unet)` (default inductor)",
     "bf16_weights": "bf16 runs: the frozen UNet held in bf16 instead of autocast casting its fp32 weights every step",
 }

@@ -249,6 +249,11 @@ class TrainConfig:
         "folder of the latent cache (default: $WORKSHOP_LATENT_CACHE, else latents/ in "
         "$WORKSHOP_CACHE or ~/.cache/sd-cpu-workshop)",
     )
+    prepack_convs: bool = _f(
+        True,
+        "lay out the frozen UNet's convolution weights for oneDNN once instead of in every step: faster "
+        "steps for two more copies of those weights, skipped if memory is short (--no-prepack_convs: off)",
+    )
     use_ipex: bool = _f(
         False, "optimise the UNet with Intel Extension for PyTorch (its environment: make setup-ipex)"
     )

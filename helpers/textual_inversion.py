@@ -389,7 +389,7 @@ def _summary(run: Run, history: list[dict], steps: int) -> dict:
         "full_matrix_allreduce_bytes_per_step": run.text_encoder.get_input_embeddings().weight.numel() * 4,
         "embeddings_identical_across_ranks": identical,
         "threads_per_process": torch.get_num_threads(),
-        "startup": run.startup,  # seconds to the first step, what the latent cache did
+        "startup": run.startup,  # seconds to the first step, what the latent cache and prepacking did
     }
 
 

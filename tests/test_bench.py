@@ -118,9 +118,11 @@ def test_train_step_benchmark_on_tiny(tmp_path):
         report["modes"]["ours"]["flops_per_step"] / (report["gemm_peak_gflops"] * 1e9)
     )
     assert "speed-up (reference / ours)" in train_step.format_report(report)
-    # At 64 px PyTorch runs the tiny UNet's convolutions itself; the VAE encoder's (reference) go to oneDNN.
-    assert report["modes"]["reference"]["onednn_seconds"]["convolution"] > 0
-    assert "convolution" not in report["modes"]["ours"]["onednn_seconds"]
+    # Ours hands the UNet's convolutions to oneDNN with weights laid out once (prepack_convs): no
+    # weight is re-laid out in its steps. The reference's VAE encoder re-lays out its weights each step.
+    ours_onednn = report["modes"]["ours"]["onednn_seconds"]
+    assert ours_onednn["convolution"] > 0 and "reorder_weights" not in ours_onednn
+    assert report["modes"]["reference"]["onednn_seconds"]["reorder_weights"] > 0
 
 
 def test_onednn_seconds_splits_weight_and_activation_relayouts(capfd):
@@ -175,8 +177,8 @@ def test_optimisations_benchmark_on_tiny(tmp_path):
     )
     opts = report["options"]
     assert set(opts) == {"channels_last", "prepacked_convs", "allocator"}
+    assert not opts["channels_last"]["used_by_engine"] and opts["prepacked_convs"]["used_by_engine"]
     for name in ("channels_last", "prepacked_convs"):
-        assert not opts[name]["used_by_engine"]
         assert opts[name]["speedup"] > 0 and opts[name]["seconds"]["on"]["n"] == 1
     alloc = opts["allocator"]
     assert alloc["baseline_s"] > 0 and alloc["glibc_default_training_rss_mib"] > 0
@@ -195,25 +197,6 @@ def test_bf16_weights_option_switches_the_unet_and_returns_to_the_engines_choice
     result = report["options"]["bf16_weights"]
     assert report["mixed_precision"] == "bf16" and result["used_by_engine"]
     assert result["seconds"]["off"]["n"] == 1 and result["speedup"] > 0
-
-
-def test_prepacked_convolution_matches_the_plain_one():
-    from bench import prepack
-
-    torch.manual_seed(0)
-    for cin, cout, k, stride in [(16, 8, 3, 1), (16, 8, 1, 1), (8, 8, 3, 2)]:
-        conv = torch.nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2).requires_grad_(False)
-        x = torch.randn(2, cin, 12, 12, requires_grad=True)
-        y = conv(x)
-        grad = torch.randn_like(y)
-        (expected_grad,) = torch.autograd.grad(y, x, grad)
-        assert prepack.pack_conv(conv)
-        y2 = conv(x)
-        (got_grad,) = torch.autograd.grad(y2, x, grad)
-        torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5)
-        prepack.unpack_conv(conv)
-        assert "forward" not in conv.__dict__
 
 
 def test_keep_freed_memory_stops_refaulting_big_blocks():

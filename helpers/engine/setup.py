@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from helpers import cpu, data, distributed, models, supervise
 from helpers.config import TrainConfig
-from helpers.engine import latents
+from helpers.engine import latents, prepack
 from helpers.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
@@ -43,7 +44,7 @@ class Run:
         counter: the all-reduce byte counter (all-reduces only with several processes).
         sampler, loader: the data order and the prepared loader.
         steps_per_epoch, max_steps, num_epochs: the schedule.
-        startup: what start-up did (the latent cache), recorded in ``run_summary.json``.
+        startup: what start-up did (prepacked convolutions, the latent cache), recorded in ``run_summary.json``.
     """
 
     config: TrainConfig
@@ -112,6 +113,11 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     if precision.warning:
         logger.warning(precision.warning, main_process_only=True)
     text_encoder, unet, noise_scheduler, token_ids = _load_modules(config, model_dir, tokenizer, precision)
+    startup: dict = {}
+    if config.prepack_convs and not config.use_ipex:  # IPEX lays weights out its own way
+        packed = prepack.pack_unet(unet)
+        (logger.warning if packed.reason else logger.info)(packed.describe(), main_process_only=True)
+        startup["prepacked_convs"] = dataclasses.asdict(packed)
     tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
 
     dataset = data.ConceptDataset(
@@ -130,7 +136,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     vae_dtype = cpu.compute_dtype(precision.mixed_precision)
     cached = latents.cached_latents(cache_dir, model_dir, dataset, dtype=vae_dtype)
     latent_mean, latent_std, scaling = cached.mean, cached.std, cached.scaling_factor
-    startup = {"latent_cache": cached.report(cache_dir) if cache_dir else None}
+    startup["latent_cache"] = cached.report(cache_dir) if cache_dir else None
     supervise.beat("latents cached")
 
     learned = LearnedEmbeddings(text_encoder.get_input_embeddings().weight[token_ids], token_ids)

@@ -1,0 +1,175 @@
+"""Frozen convolutions whose weights are laid out for oneDNN once, not in every step.
+
+In eager PyTorch every ``Conv2d`` call hands oneDNN a plain ``OIHW`` weight, which oneDNN reorders
+into its blocked layout: once for the forward and once more for the input gradient of the
+backward. The UNet's weights never change in textual inversion, so each of those copies can be made
+once. :func:`pack_conv` keeps both (the forward weight, and the transposed, flipped weight that
+computes the input gradient as a convolution) and runs both through ``mkldnn._convolution_pointwise``
+inside a small autograd function, so the gradient still reaches the placeholder rows.
+
+Measured on the SD v1.5 shape at 256 px (``bench.optimisations --only prepacked_convs``): the step
+1.12x faster in fp32 and 1.17x in bf16, for two more copies of the convolution weights (about
+2.2 GiB each in fp32 and 1.1 GiB each in bf16). Forward or backward alone buys only 1.02-1.06x. The
+dense weights stay (checkpoints, ``state_dict``, the strided downsamplers' input gradient).
+
+The engine packs the UNet when ``prepack_convs`` is on (the default) and the copies fit in memory
+(:func:`pack_unet`); never together with IPEX, which lays out weights its own way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Packed copies may take at most this share of the memory available to this process's node share.
+MEMORY_SHARE = 0.5
+
+
+class _PackedConvFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
+        ctx.conv = conv
+        ctx.input_shape = x.shape
+        return _forward(conv, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _input_grad(ctx.conv, grad, ctx.input_shape), None
+
+
+def _copies(conv: torch.nn.Conv2d) -> dict[str, torch.Tensor]:
+    """The laid-out copies of ``conv``'s current weight (by dtype: a module cast later gets new ones)."""
+    return conv._packed.setdefault(conv.weight.dtype, {})
+
+
+def _forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    state = _copies(conv)
+    x = x.to(conv.weight.dtype)  # under bf16 autocast the input may come from an fp32 op (group norm)
+    if not conv._pack_forward:
+        return torch.nn.functional.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding)
+    if "fwd" not in state:
+        w = conv.weight.detach().to_mkldnn()
+        state["fwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
+            w, list(conv.padding), list(conv.stride), [1, 1], 1, list(x.shape)
+        )
+    return torch.ops.mkldnn._convolution_pointwise(
+        x, state["fwd"], conv.bias, list(conv.padding), list(conv.stride), [1, 1], 1, "none", [], ""
+    )
+
+
+def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Size) -> torch.Tensor:
+    grad = grad.to(conv.weight.dtype).contiguous()
+    if conv.stride != (1, 1) or not conv._pack_backward:  # strided (the 3 downsamplers): the plain path
+        return torch.nn.grad.conv2d_input(input_shape, conv.weight, grad, conv.stride, conv.padding)
+    state = _copies(conv)
+    pad = [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
+    if "bwd" not in state:
+        flipped = conv.weight.detach().transpose(0, 1).flip(2, 3).contiguous().to_mkldnn()
+        state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
+            flipped, pad, [1, 1], [1, 1], 1, list(grad.shape)
+        )
+    return torch.ops.mkldnn._convolution_pointwise(
+        grad, state["bwd"], None, pad, [1, 1], [1, 1], 1, "none", [], ""
+    )
+
+
+def _packed_call(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _PackedConvFn.apply(x, conv)
+    return _forward(conv, x)
+
+
+def packable(conv: torch.nn.Module) -> bool:
+    """A frozen, ungrouped, undilated, zero-padded ``Conv2d``: what :func:`pack_conv` handles."""
+    return (
+        isinstance(conv, torch.nn.Conv2d)
+        and not conv.weight.requires_grad
+        and conv.groups == 1
+        and conv.dilation == (1, 1)
+        and conv.padding_mode == "zeros"
+        and not isinstance(conv.padding, str)
+    )
+
+
+def pack_conv(conv: torch.nn.Conv2d, forward: bool = True, backward: bool = True) -> bool:
+    """Route a :func:`packable` convolution through weights laid out once. Returns whether it did.
+
+    ``forward``/``backward`` pick which of the two copies to keep (the other direction then takes
+    PyTorch's plain path, which reorders the weight in every step); the copies are made on first use.
+    """
+    if not packable(conv):
+        return False
+    conv.__dict__.update(_pack_forward=forward, _pack_backward=backward)
+    conv.__dict__.setdefault("_packed", {})  # laid-out copies, made on first use and kept
+    conv.forward = lambda x: _packed_call(conv, x)
+    return True
+
+
+def unpack_conv(conv: torch.nn.Conv2d, free: bool = True) -> None:
+    """Undo :func:`pack_conv`; ``free=False`` keeps the copies for the next :func:`pack_conv`."""
+    conv.__dict__.pop("forward", None)
+    if free:
+        conv.__dict__.pop("_packed", None)
+
+
+def unavailable() -> str | None:
+    """Why this torch cannot pack convolutions (no oneDNN, or its private ops are gone), else None."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch is built without oneDNN"
+    if not hasattr(torch._C._nn, "mkldnn_reorder_conv2d_weight") or not hasattr(
+        torch.ops.mkldnn, "_convolution_pointwise"
+    ):
+        return f"torch {torch.__version__} lacks oneDNN's convolution ops"
+    return None
+
+
+@dataclass(frozen=True)
+class PackResult:
+    """What :func:`pack_unet` did: ``convolutions`` packed, the ``bytes`` their copies will take, or
+    the ``reason`` it packed nothing."""
+
+    convolutions: int
+    bytes: int
+    reason: str | None = None
+
+    def describe(self) -> str:
+        if self.reason:
+            return f"convolution weights not prepacked: {self.reason}"
+        return f"{self.convolutions} convolutions use weights laid out once (+{self.bytes / 2**30:.2f} GiB)"
+
+
+def copy_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the copies :func:`pack_conv` makes for ``module``'s packable convolutions."""
+    total = 0
+    for conv in module.modules():
+        if packable(conv):
+            copies = 2 if conv.stride == (1, 1) else 1
+            total += copies * conv.weight.numel() * conv.weight.element_size()
+    return total
+
+
+def pack_unet(unet: torch.nn.Module, available_bytes: int | None = None) -> PackResult:
+    """Pack every packable convolution of the frozen ``unet`` if the copies fit.
+
+    They fit when they take at most :data:`MEMORY_SHARE` of the memory available now, divided among
+    the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
+    """
+    if problem := unavailable():
+        return PackResult(0, 0, problem)
+    need = copy_bytes(unet)
+    if available_bytes is None:
+        import psutil
+
+        available_bytes = psutil.virtual_memory().available
+    share = MEMORY_SHARE * available_bytes / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if need > share:
+        return PackResult(
+            0,
+            need,
+            f"the copies need {need / 2**30:.1f} GiB and this process's share of free memory is "
+            f"{share / 2**30:.1f} GiB (the steps run at the plain speed; --no-prepack_convs silences this)",
+        )
+    count = sum(pack_conv(conv) for conv in unet.modules())
+    return PackResult(count, need)
