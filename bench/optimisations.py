@@ -219,9 +219,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 o for n, o in IN_PROCESS.items() if n not in NEEDS_BF16 or args.mixed_precision == "bf16"
             ]
 
-            def engine_configuration() -> (
-                None
-            ):  # options off first: variants share modules with engine options
+            def engine_configuration() -> None:
+                """Variants off first: they share modules with the engine's options."""
                 for option in sorted(applicable, key=lambda o: o.engine):
                     (option.on if option.engine else option.off)(ours)
 

@@ -4,6 +4,8 @@ gradient still reaching the placeholder, and the engine's choice recorded. Speed
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny_parts import tiny_config
@@ -44,7 +46,19 @@ def test_prepacked_convolution_matches_the_plain_one_forward_and_backward(cin, c
     (e4,) = torch.autograd.grad(_plain(conv, x4).square().sum(), x4)
     torch.testing.assert_close(g4, e4, rtol=1e-4, atol=1e-4)
     prepack.unpack_conv(conv)
-    assert "forward" not in conv.__dict__ and "_packed" not in conv.__dict__
+    assert "forward" not in conv.__dict__ and conv not in prepack._COPIES
+
+
+def test_a_deep_copy_of_a_packed_convolution_computes_with_its_own_weight():
+    conv = torch.nn.Conv2d(4, 8, 3, padding=1).requires_grad_(False)
+    x = torch.randn(1, 4, 8, 8)
+    assert prepack.pack_conv(conv)
+    conv(x)  # the copies exist now
+    twin = copy.deepcopy(conv)
+    with torch.no_grad():
+        twin.weight.mul_(2)
+    torch.testing.assert_close(twin(x), _plain(twin, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv(x), _plain(conv, x), rtol=1e-5, atol=1e-5)
 
 
 def test_under_bf16_autocast_it_takes_fp32_inputs_and_returns_fp32_gradients():
@@ -76,8 +90,10 @@ def test_only_frozen_plain_convolutions_are_packed_and_the_copies_are_counted():
         torch.nn.Conv2d(8, 8, 3, padding="same"),  # string padding: left alone
     ).requires_grad_(False)
     trainable = torch.nn.Conv2d(8, 8, 1)
+    trainable_bias = torch.nn.Conv2d(8, 8, 1).requires_grad_(False)
+    trainable_bias.bias.requires_grad_(True)
     assert [prepack.packable(m) for m in net] == [True, True, False, False]
-    assert not prepack.packable(trainable) and not prepack.pack_conv(trainable)
+    assert not prepack.pack_conv(trainable) and not prepack.pack_conv(trainable_bias)
     assert prepack.copy_bytes(net) == 4 * (2 * 8 * 4 * 9 + 8 * 8 * 9)
 
 

@@ -8,8 +8,8 @@ computes the input gradient as a convolution) and runs both through ``mkldnn._co
 inside a small autograd function, so the gradient still reaches the placeholder rows.
 
 Measured on the SD v1.5 shape at 256 px (``bench.optimisations --only prepacked_convs``): the step
-1.12x faster in fp32 and 1.17x in bf16, for two more copies of the convolution weights (about
-2.2 GiB each in fp32 and 1.1 GiB each in bf16). Forward or backward alone buys only 1.02-1.06x. The
+1.14x faster in fp32 and 1.16x in bf16, for two more copies of the convolution weights (about
+2.2 GiB each in fp32 and 1.1 GiB each in bf16). One direction's copy alone buys 1.00-1.06x. The
 dense weights stay (checkpoints, ``state_dict``, the strided downsamplers' input gradient).
 
 The engine packs the UNet when ``prepack_convs`` is on (the default) and the copies fit in memory
@@ -19,12 +19,17 @@ The engine packs the UNet when ``prepack_convs`` is on (the default) and the cop
 from __future__ import annotations
 
 import os
+import types
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-# Packed copies may take at most this share of the memory available to this process's node share.
+# The copies may take at most this fraction of this process's share of the node's free memory.
 MEMORY_SHARE = 0.5
+# convolution -> {weight dtype: {"fwd": copy, "bwd": copy}}. Outside the module, so that a deep copy of
+# a packed module (whose oneDNN tensors cannot be copied) starts without copies and makes its own.
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _PackedConvFn(torch.autograd.Function):
@@ -41,7 +46,7 @@ class _PackedConvFn(torch.autograd.Function):
 
 def _copies(conv: torch.nn.Conv2d) -> dict[str, torch.Tensor]:
     """The laid-out copies of ``conv``'s current weight (by dtype: a module cast later gets new ones)."""
-    return conv._packed.setdefault(conv.weight.dtype, {})
+    return _COPIES.setdefault(conv, {}).setdefault(conv.weight.dtype, {})
 
 
 def _forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +91,7 @@ def packable(conv: torch.nn.Module) -> bool:
     return (
         isinstance(conv, torch.nn.Conv2d)
         and not conv.weight.requires_grad
+        and (conv.bias is None or not conv.bias.requires_grad)
         and conv.groups == 1
         and conv.dilation == (1, 1)
         and conv.padding_mode == "zeros"
@@ -102,8 +108,7 @@ def pack_conv(conv: torch.nn.Conv2d, forward: bool = True, backward: bool = True
     if not packable(conv):
         return False
     conv.__dict__.update(_pack_forward=forward, _pack_backward=backward)
-    conv.__dict__.setdefault("_packed", {})  # laid-out copies, made on first use and kept
-    conv.forward = lambda x: _packed_call(conv, x)
+    conv.forward = types.MethodType(_packed_call, conv)  # a bound method: a deep copy rebinds it
     return True
 
 
@@ -111,7 +116,7 @@ def unpack_conv(conv: torch.nn.Conv2d, free: bool = True) -> None:
     """Undo :func:`pack_conv`; ``free=False`` keeps the copies for the next :func:`pack_conv`."""
     conv.__dict__.pop("forward", None)
     if free:
-        conv.__dict__.pop("_packed", None)
+        _COPIES.pop(conv, None)
 
 
 def unavailable() -> str | None:
