@@ -66,8 +66,8 @@ LOOPBACK_SOURCE = "bench/results/scaling-loopback.json"
 NETWORK_LATENCY_S = 50e-6
 
 # The reference's step over ours, both measured in one process (train_step-sd15-shape-256px*.json,
-# medians: bf16 2.81 / 1.87 s, fp32 4.97 / 3.34 s). A test keeps them equal to the files.
-REFERENCE_OVER_OURS = {"bf16": 2.8092 / 1.8672, "no": 4.9661 / 3.3385}
+# medians: bf16 2.43 / 1.37 s, fp32 4.31 / 2.65 s). A test keeps them equal to the files.
+REFERENCE_OVER_OURS = {"bf16": 2.4283 / 1.3732, "no": 4.3139 / 2.6512}
 
 
 def fit_link(sizes: Sequence[int], seconds: Sequence[float], processes: int) -> Link:
