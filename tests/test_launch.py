@@ -266,6 +266,11 @@ def train_args(out: Path, steps: int = STEPS, batch: int = 1, accumulation: int 
         "--adam_weight_decay", "0", "--save_steps", "1000", "--checkpointing_steps", "1000",
         "--output_dir", str(out), "--mixed_precision", "no",  # fp32: the same numbers on every CPU
         "--gradient_accumulation_steps", str(accumulation),
+        # These runs compare batch splits (2 x 1 against 1 x 2, accumulation, resume at another
+        # world size) to 2e-5. oneDNN's convolution sums in an order that depends on the batch, and
+        # the random tiny model amplifies that rounding in the placeholder's gradient to percents,
+        # so they use PyTorch's own convolutions; notebook 04 trains prepacked under mpirun.
+        "--no-prepack_convs",
     ]  # fmt: skip
 
 
@@ -384,7 +389,7 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
     assert r["allreduce_bytes_per_step"] == num_vectors * hidden * 4
     assert r["full_matrix_allreduce_bytes_per_step"] >= 10_000 * r["allreduce_bytes_per_step"]
     # the scaling model's check against the guide's published run (tests/test_scaling.py has the numbers)
-    assert r["scaling_guide_seconds_per_step"] == pytest.approx({"model": 0.968, "published": 1.2}, abs=5e-4)
+    assert r["scaling_guide_seconds_per_step"] == pytest.approx({"model": 0.856, "published": 1.2}, abs=5e-4)
     assert r["images_per_second"] > 0
     assert r["images_per_second_per_process"] == pytest.approx(r["images_per_second"] / 2)
     assert r["preflight_problems"] == 0 and r["final_loss"] > 0
