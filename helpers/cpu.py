@@ -155,6 +155,11 @@ def report(requested: str = "auto") -> CPUReport:
     )
 
 
+def local_processes() -> int:
+    """The processes of this job on this node (``LOCAL_WORLD_SIZE``, set by torchrun and accelerate), at least 1."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def set_threads(num_threads: int | None = None) -> int:
     """Set PyTorch's intra-op threads.
 
@@ -166,7 +171,7 @@ def set_threads(num_threads: int | None = None) -> int:
         if env and env.isdigit() and int(env) > 0:
             num_threads = int(env)
         else:
-            num_threads = max(1, physical_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            num_threads = max(1, physical_cores() // local_processes())
     torch.set_num_threads(num_threads)
     return num_threads
 

@@ -18,12 +18,13 @@ The engine packs the UNet when ``prepack_convs`` is on (the default) and the cop
 
 from __future__ import annotations
 
-import os
 import types
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+from helpers import cpu
 
 # The copies may take at most this fraction of this process's share of the node's free memory.
 MEMORY_SHARE = 0.5
@@ -50,10 +51,10 @@ def _copies(conv: torch.nn.Conv2d) -> dict[str, torch.Tensor]:
 
 
 def _forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    state = _copies(conv)
     x = x.to(conv.weight.dtype)  # under bf16 autocast the input may come from an fp32 op (group norm)
     if not conv._pack_forward:
-        return torch.nn.functional.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding)
+        return conv._conv_forward(x, conv.weight, conv.bias)
+    state = _copies(conv)
     if "fwd" not in state:
         w = conv.weight.detach().to_mkldnn()
         state["fwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
@@ -168,7 +169,7 @@ def pack_unet(unet: torch.nn.Module, available_bytes: int | None = None) -> Pack
         import psutil
 
         available_bytes = psutil.virtual_memory().available
-    share = MEMORY_SHARE * available_bytes / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    share = MEMORY_SHARE * available_bytes / cpu.local_processes()
     if need > share:
         return PackResult(
             0,
