@@ -36,7 +36,7 @@ from torch.utils.flop_counter import (
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
-from helpers.engine import geglu, prepack
+from helpers.engine import prepack
 from helpers.files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -441,18 +441,14 @@ class OursStep:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Route the token embedding through the learned rows (the frozen matrix gets no gradient),
-        with the UNet's convolutions prepacked and its GEGLUs fused as the engine has them
-        (``prepack_convs``, :mod:`helpers.engine.geglu`). On exit the UNet is plain again (the
-        reference shares it); the packed copies are kept for next time."""
+        with the UNet's convolutions prepacked as the engine has them (``prepack_convs``). On exit
+        the UNet is plain again (the reference shares it); the packed copies are kept for next time."""
         self.hook = ti.EmbeddingHook(self.setup.parts.text_encoder, self.learned)
-        unet = self.setup.parts.unet
-        convs = [m for m in unet.modules() if prepack.pack_conv(m)]
-        geglu.fuse_geglu(unet)
+        convs = [m for m in self.setup.parts.unet.modules() if prepack.pack_conv(m)]
         try:
             yield
         finally:
             self.hook.remove()
-            geglu.unfuse_geglu(unet)
             for conv in convs:
                 prepack.unpack_conv(conv, free=False)
 

@@ -8,8 +8,8 @@ the engine's step without them (everything else as the engine has it, including
 ``helpers.cpu.keep_freed_memory``): ``channels_last``, the attention kernel (``attention_math``:
 SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbmm + softmax),
 ``flush_denormal``, ``prepacked_convs`` (the engine's ``prepack_convs``, :mod:`helpers.engine.prepack`;
-``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``fused_geglu`` (the
-engine's :mod:`helpers.engine.geglu`), ``fused_qkv`` (diffusers' ``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
+``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``fused_qkv`` (diffusers'
+``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
 separately). Process-level options run the real engine,
 ``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
 (glibc's defaults, tcmalloc or jemalloc through ``LD_PRELOAD``, ``THP_MEM_ALLOC_ENABLE``),
@@ -36,7 +36,7 @@ import torch
 
 from bench import common
 from helpers import cpu
-from helpers.engine import geglu, prepack
+from helpers.engine import prepack
 
 ALLOCATORS = {
     "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -135,13 +135,6 @@ def _fused_qkv(on: bool) -> Callable[[common.OursStep], None]:
     return apply
 
 
-def _fused_geglu(on: bool) -> Callable[[common.OursStep], None]:
-    def apply(step: common.OursStep) -> None:
-        (geglu.fuse_geglu if on else geglu.unfuse_geglu)(step.setup.parts.unet)
-
-    return apply
-
-
 def _bf16_weights(on: bool) -> Callable[[common.OursStep], None]:
     return lambda step: step.setup.parts.unet.to(torch.bfloat16 if on else torch.float32)
 
@@ -158,7 +151,6 @@ IN_PROCESS = {
         Option("prepacked_convs_forward", _prepacked(True, backward=False), _prepacked(False)),
         Option("prepacked_convs_backward", _prepacked(True, forward=False), _prepacked(False)),
         Option("fused_qkv", _fused_qkv(True), _fused_qkv(False)),
-        Option("fused_geglu", _fused_geglu(True), _fused_geglu(False), engine=True),
         Option("bf16_weights", _bf16_weights(True), _bf16_weights(False), engine=True),
     )
 }
@@ -304,11 +296,9 @@ def _ab(step: common.OursStep, option: Option, n: int) -> dict[str, Any]:
 def _compile(step: common.OursStep, n: int) -> dict[str, Any]:
     """``torch.compile`` of the UNet: first-call time (compile) separately, then steady-state steps.
 
-    Both sides run plain convolutions (not prepacked) and diffusers' GEGLU: inductor lays out the
-    weights and fuses element-wise work itself.
+    Both sides run plain convolutions (not prepacked): inductor lays out the weights itself.
     """
     _prepacked(False)(step)
-    _fused_geglu(False)(step)
     eager = step.unet
     compiled = torch.compile(eager)
     step.unet = compiled

@@ -8,8 +8,9 @@ import copy
 
 import pytest
 import torch
-from tiny_parts import tiny_config, toyworld_placeholder_gradient
+from tiny_parts import tiny_config
 
+from helpers import models
 from helpers import textual_inversion as ti
 from helpers.engine import prepack
 
@@ -114,13 +115,36 @@ def test_the_placeholder_gets_the_same_gradient_through_prepacked_convolutions()
     plain UNet, to 1e-5 (norm of the difference over the norm; measured 6e-7: oneDNN's convolution
     sums in another order than PyTorch's call of it). Not the random tiny model: its text side
     amplifies such rounding of a near-zero gradient to percent level, prepacked or not."""
-    base, gradient = toyworld_placeholder_gradient()
+    base = models.load_components(models.TOYWORLD, load_vae=False)
+    tok = base.tokenizer
+    ids = ti.add_placeholder_tokens(tok, base.text_encoder, "<x>", "toy")
+    for module in (base.text_encoder, base.unet):
+        module.requires_grad_(False)
+    learned = ti.LearnedEmbeddings(base.text_encoder.get_input_embeddings().weight[ids], ids)
+    hook = ti.EmbeddingHook(base.text_encoder, learned)
+    gen = torch.Generator().manual_seed(0)
+    prompts = ["a photo of a <x>", "a rendering of the <x>"]
+    input_ids = tok(
+        prompts, padding="max_length", max_length=tok.model_max_length, return_tensors="pt"
+    ).input_ids
+    shape = (2, base.unet.config.in_channels, base.unet.config.sample_size, base.unet.config.sample_size)
+    latents, noise = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    t = torch.tensor([10, 700])
+
+    def gradient() -> torch.Tensor:
+        learned.vectors.grad = None
+        ti.diffusion_loss(
+            base.unet, base.text_encoder, base.noise_scheduler, input_ids, latents, noise, t
+        ).backward()
+        return learned.vectors.grad.clone()
+
     plain = gradient()
     packed = prepack.pack_unet(base.unet)
     assert (
         packed.reason is None and packed.convolutions == sum(map(prepack.packable, base.unet.modules())) > 0
     )
     got = gradient()
+    hook.remove()
     assert plain.norm() > 0
     assert (got - plain).norm() / plain.norm() < 1e-5
 

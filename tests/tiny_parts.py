@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from helpers import data, models
@@ -53,34 +51,3 @@ def step_parts(lr: float = 1e-2, seed: int = 0) -> tuple[ti.StepParts, data.Conc
         seed=seed,
     )
     return parts, ds
-
-
-def toyworld_placeholder_gradient() -> tuple[models.Components, Callable[[], torch.Tensor]]:
-    """The toy-world model with a new row ``<x>`` (everything frozen), and a function that returns
-    that row's gradient of the diffusion loss on two fixed prompts, latents, noises and timesteps.
-    The trained toy world, not the random tiny model: the tiny model's text side amplifies float
-    rounding of its near-zero gradient to percent level, so it cannot compare two ways of computing it."""
-    base = models.load_components(models.TOYWORLD, load_vae=False)
-    tok = base.tokenizer
-    ids = ti.add_placeholder_tokens(tok, base.text_encoder, "<x>", "toy")
-    for module in (base.text_encoder, base.unet):
-        module.requires_grad_(False)
-    learned = ti.LearnedEmbeddings(base.text_encoder.get_input_embeddings().weight[ids], ids)
-    ti.EmbeddingHook(base.text_encoder, learned)
-    gen = torch.Generator().manual_seed(0)
-    prompts = ["a photo of a <x>", "a rendering of the <x>"]
-    input_ids = tok(
-        prompts, padding="max_length", max_length=tok.model_max_length, return_tensors="pt"
-    ).input_ids
-    shape = (2, base.unet.config.in_channels, base.unet.config.sample_size, base.unet.config.sample_size)
-    latents, noise = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    t = torch.tensor([10, 700])
-
-    def gradient() -> torch.Tensor:
-        learned.vectors.grad = None
-        ti.diffusion_loss(
-            base.unet, base.text_encoder, base.noise_scheduler, input_ids, latents, noise, t
-        ).backward()
-        return learned.vectors.grad.clone()
-
-    return base, gradient

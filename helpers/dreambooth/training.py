@@ -41,7 +41,6 @@ from helpers.dreambooth import class_images, saving
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import DreamBoothPairs, ImageViews
 from helpers.dreambooth.lora import add_lora
-from helpers.engine import geglu
 from helpers.engine.setup import make_accelerator
 from helpers.errors import InputError
 from helpers.outputs import SAMPLES, SUMMARY
@@ -244,7 +243,6 @@ def setup_run(config: DreamBoothConfig) -> Run:
         module.requires_grad_(False)
     vae.eval()
     params = add_lora(unet, text_encoder if config.train_text_encoder else None, config.rank, config.seed)
-    geglu.fuse_geglu(unet)  # the same gradients, one copy fewer per transformer block
     unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode
     text_encoder.train(config.gradient_checkpointing and config.train_text_encoder)
     if config.gradient_checkpointing:

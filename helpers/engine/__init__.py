@@ -6,7 +6,6 @@
 * :mod:`~helpers.engine.latents`: the persistent latent cache (a re-run does not load the VAE).
 * :mod:`~helpers.engine.prepack`: the frozen UNet's convolutions with weights laid out for oneDNN
   once, not in every step (``prepack_convs``).
-* :mod:`~helpers.engine.geglu`: the UNet's GEGLU feed-forward with its gradient in one buffer (always on).
 * :mod:`~helpers.engine.setup`: from settings to a :class:`~helpers.engine.setup.Run` ready to train.
 * :mod:`~helpers.engine.folder`: the state of an output folder (empty, finished, interrupted),
   read before any model loads; what ``--overwrite_output_dir`` removes.

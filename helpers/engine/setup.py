@@ -15,7 +15,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from helpers import cpu, data, distributed, models, supervise
 from helpers.config import TrainConfig
-from helpers.engine import geglu, latents, prepack
+from helpers.engine import latents, prepack
 from helpers.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
@@ -113,7 +113,6 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     if precision.warning:
         logger.warning(precision.warning, main_process_only=True)
     text_encoder, unet, noise_scheduler, token_ids = _load_modules(config, model_dir, tokenizer, precision)
-    geglu.fuse_geglu(unet)
     startup: dict = {}
     if config.prepack_convs and not config.use_ipex:  # IPEX lays weights out its own way
         packed = prepack.pack_unet(unet)
