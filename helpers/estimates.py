@@ -35,8 +35,8 @@ class StepTime:
 
 EPYC = "AMD EPYC (AVX-512, AVX512-BF16)"
 MEASURED: tuple[StepTime, ...] = (
-    StepTime(EPYC, True, 2, 256, 1, "bf16", 1.37, "bench/results/train_step-sd15-shape-256px-bf16.json"),
-    StepTime(EPYC, True, 2, 256, 1, "no", 2.65, "bench/results/train_step-sd15-shape-256px.json"),
+    StepTime(EPYC, True, 2, 256, 1, "bf16", 1.42, "bench/results/train_step-sd15-shape-256px-bf16.json"),
+    StepTime(EPYC, True, 2, 256, 1, "no", 2.42, "bench/results/train_step-sd15-shape-256px.json"),
 )
 
 

@@ -66,8 +66,8 @@ LOOPBACK_SOURCE = "bench/results/scaling-loopback.json"
 NETWORK_LATENCY_S = 50e-6
 
 # The reference's step over ours, both measured in one process (train_step-sd15-shape-256px*.json,
-# medians: bf16 2.43 / 1.37 s, fp32 4.31 / 2.65 s). A test keeps them equal to the files.
-REFERENCE_OVER_OURS = {"bf16": 2.4283 / 1.3732, "no": 4.3139 / 2.6512}
+# medians: bf16 2.59 / 1.42 s, fp32 4.19 / 2.42 s). A test keeps them equal to the files.
+REFERENCE_OVER_OURS = {"bf16": 2.5934 / 1.4186, "no": 4.1884 / 2.4190}
 
 
 def fit_link(sizes: Sequence[int], seconds: Sequence[float], processes: int) -> Link:

@@ -129,12 +129,12 @@ def test_guide_check_reproduces_its_stated_numbers():
     assert check.published_seconds == 300 and check.published_seconds_per_step == pytest.approx(1.2)
     assert check.published_images_per_second == pytest.approx(16 / 1.2)
     assert (
-        round(check.reference.seconds_per_step, 2) == 0.86 and round(check.predicted_seconds / 300, 2) == 0.57
+        round(check.reference.seconds_per_step, 2) == 0.91 and round(check.predicted_seconds / 300, 2) == 0.60
     )
-    assert round(check.ours.seconds_per_step, 2) == 0.40
+    assert round(check.ours.seconds_per_step, 2) == 0.41
     text = check.describe()
-    assert "0.69 s compute + 0.16 s all-reduce = 0.86 s per step, 2.9 min for 200 steps" in text
-    assert "(0.57 of the published time" in text and "Ours on that cluster: 0.40 s per step" in text
+    assert "0.74 s compute + 0.16 s all-reduce = 0.91 s per step, 3.0 min for 200 steps" in text
+    assert "(0.60 of the published time" in text and "Ours on that cluster: 0.41 s per step" in text
 
 
 def test_network_bandwidth_of_the_sizes_notebook_01_offers():
