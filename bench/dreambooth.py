@@ -36,6 +36,7 @@ import torch
 
 from bench import common
 from helpers import cpu
+from helpers.engine import prepack
 
 CLASS_PROMPT, INSTANCE_PROMPT = "a photo of a toy", "a photo of sks toy"
 
@@ -113,6 +114,10 @@ class ReferenceStep:
         )
 
     def __call__(self, batch: dict[str, torch.Tensor], marks: dict[str, float]) -> None:
+        with prepack.plain(self.run.unet):  # diffusers' script runs PyTorch's own convolutions
+            self._step(batch, marks)
+
+    def _step(self, batch: dict[str, torch.Tensor], marks: dict[str, float]) -> None:
         import torch.nn.functional as F
 
         run, config = self.run, self.run.config

@@ -24,6 +24,11 @@ from helpers.files import write_text_atomic
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 MIXED_PRECISION = ("auto", "no", "bf16")
+# Also DreamBooth-LoRA's flag (helpers.dreambooth.config): both trainers freeze the convolutions.
+PREPACK_CONVS_HELP = (
+    "lay out the frozen UNet's convolution weights for oneDNN once instead of in every step: faster "
+    "steps for two more copies of those weights, skipped if memory is short (--no-prepack_convs: off)"
+)
 LEARNABLE_PROPERTIES = ("object", "style")
 
 # Flags of the diffusers script that this engine does not support, and why. Passing one is an
@@ -249,11 +254,7 @@ class TrainConfig:
         "folder of the latent cache (default: $WORKSHOP_LATENT_CACHE, else latents/ in "
         "$WORKSHOP_CACHE or ~/.cache/sd-cpu-workshop)",
     )
-    prepack_convs: bool = _f(
-        True,
-        "lay out the frozen UNet's convolution weights for oneDNN once instead of in every step: faster "
-        "steps for two more copies of those weights, skipped if memory is short (--no-prepack_convs: off)",
-    )
+    prepack_convs: bool = _f(True, PREPACK_CONVS_HELP)
     use_ipex: bool = _f(
         False, "optimise the UNet with Intel Extension for PyTorch (its environment: make setup-ipex)"
     )

@@ -97,6 +97,22 @@ def test_only_frozen_plain_convolutions_are_packed_and_the_copies_are_counted():
     assert prepack.copy_bytes(net) == 4 * (2 * 8 * 4 * 9 + 8 * 8 * 9)
 
 
+def test_plain_runs_pytorchs_own_convolutions_for_a_while_and_keeps_the_copies():
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1))
+    net.requires_grad_(False)
+    x = torch.randn(1, 4, 8, 8)
+    assert prepack.pack_conv(net[0]) and prepack.pack_conv(net[1], backward=False)
+    net(x)  # the copies exist now
+    copies = [dict(prepack._copies(conv)) for conv in net]
+    assert all(copies)
+    with prepack.plain(net):
+        assert [("forward" in conv.__dict__) for conv in net] == [False, False]
+        assert torch.equal(net(x), _plain(net[1], _plain(net[0], x)))
+    assert [(conv._pack_forward, conv._pack_backward) for conv in net] == [(True, True), (True, False)]
+    assert [("forward" in conv.__dict__) for conv in net] == [True, True]
+    assert all(prepack._copies(c)[k] is v[k] for c, v in zip(net, copies, strict=True) for k in v)
+
+
 def test_pack_unet_skips_when_the_copies_do_not_fit(monkeypatch):
     net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1)).requires_grad_(False)
     need = prepack.copy_bytes(net)

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from helpers.config import PREPACK_CONVS_HELP
 from helpers.errors import InputError
 from helpers.files import write_text_atomic
 
@@ -120,6 +121,7 @@ class DreamBoothConfig:
     num_validation_images: int = _f(4, "sample images per validation")
     validation_epochs: int = _f(50, "validate after every N-th epoch (and at the end)")
     gradient_checkpointing: bool = _f(False, "trade compute for memory in the UNet (and text encoder)")
+    prepack_convs: bool = _f(True, PREPACK_CONVS_HELP)
     dataloader_num_workers: int = _f(0, "data-loading worker processes")
 
     def __post_init__(self) -> None:

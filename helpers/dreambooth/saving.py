@@ -206,6 +206,7 @@ def write_outputs(run: Run, global_step: int, history: list[dict]) -> dict[str, 
         "precision_reason": run.precision.reason,
         "rank": config.rank,
         "train_text_encoder": config.train_text_encoder,
+        "prepacked_convs": run.prepacked_convs,
         "with_prior_preservation": run.prior,
         "class_images": None if made is None else {
             "existing": made.existing, "generated": made.generated, "seconds": round(made.seconds, 2)},

@@ -8,6 +8,9 @@ plus ``prior_loss_weight`` times the class half's. What differs, for CPUs:
 * The VAE encodes every picture once before training; a step samples its latent from the cached
   mean and std (:func:`helpers.textual_inversion.cache_latents`), and the VAE is freed.
 * With a frozen text encoder the two prompts are encoded once, before training.
+* LoRA trains the attention's linear layers, so the UNet's convolutions stay frozen and run with
+  weights laid out for oneDNN once (:mod:`helpers.engine.prepack`, ``--no-prepack_convs`` to turn
+  it off), as in the textual-inversion engine.
 * Every random draw of a sample (latent, noise, timestep) comes from a generator keyed by
   (seed, epoch, sample): the subject's by its item ``i``, the class picture's by ``items + i``
   (:func:`helpers.textual_inversion.draw_batch`); the shuffle is keyed by (seed, epoch). So a
@@ -24,6 +27,7 @@ plus ``prior_loss_weight`` times the class half's. What differs, for CPUs:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,6 +45,7 @@ from helpers.dreambooth import class_images, saving
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import DreamBoothPairs, ImageViews
 from helpers.dreambooth.lora import add_lora
+from helpers.engine import prepack
 from helpers.engine.setup import make_accelerator
 from helpers.errors import InputError
 from helpers.outputs import SAMPLES, SUMMARY
@@ -196,6 +201,7 @@ class Run:
     max_steps: int
     class_images: class_images.ClassImages | None = None
     started: float = field(default_factory=time.perf_counter)
+    prepacked_convs: dict | None = None  # what prepack.pack_unet did, when prepack_convs is on
 
     @property
     def prior(self) -> bool:
@@ -243,6 +249,10 @@ def setup_run(config: DreamBoothConfig) -> Run:
         module.requires_grad_(False)
     vae.eval()
     params = add_lora(unet, text_encoder if config.train_text_encoder else None, config.rank, config.seed)
+    packed = None
+    if config.prepack_convs:  # LoRA trains the attention's linear layers: the convolutions stay frozen
+        packed = prepack.pack_unet(unet)
+        (logger.warning if packed.reason else logger.info)(packed.describe(), main_process_only=True)
     unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode
     text_encoder.train(config.gradient_checkpointing and config.train_text_encoder)
     if config.gradient_checkpointing:
@@ -295,6 +305,7 @@ def setup_run(config: DreamBoothConfig) -> Run:
         parts.noise_scheduler, params, torch.cat([m for m, _ in cached]), torch.cat([s for _, s in cached]),
         vae.config.scaling_factor, prompt_ids, fixed_states, pairs, sampler, loader, optimizer, lr_scheduler,
         GradientAverager(params), steps_per_epoch, max_steps, made, started,
+        packed and dataclasses.asdict(packed),
     )  # fmt: skip  # the VAE is not kept: it encoded each picture once, above
 
 

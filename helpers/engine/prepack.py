@@ -17,14 +17,17 @@ other input into that layout). So the packed UNet's activations, and the gradien
 through them, are channels-last; the input gradient keeps them so (1.02x in bf16: no copy there
 and back per convolution), and the results are the same bit for bit.
 
-The engine packs the UNet when ``prepack_convs`` is on (the default) and the copies fit in memory
-(:func:`pack_unet`); never together with IPEX, which lays out weights its own way.
+The engine (and the DreamBooth-LoRA trainer, whose LoRA leaves the convolutions frozen) packs the
+UNet when ``prepack_convs`` is on (the default) and the copies fit in memory (:func:`pack_unet`);
+never together with IPEX, which lays out weights its own way.
 """
 
 from __future__ import annotations
 
 import types
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +131,22 @@ def unpack_conv(conv: torch.nn.Conv2d, free: bool = True) -> None:
     conv.__dict__.pop("forward", None)
     if free:
         _COPIES.pop(conv, None)
+
+
+@contextmanager
+def plain(model: torch.nn.Module) -> Iterator[None]:
+    """PyTorch's own convolutions in ``model`` for a while (e.g. to time a program that does not
+    prepack); the packed ones are packed again afterwards, their copies kept."""
+    packed = [
+        m for m in model.modules() if getattr(m.__dict__.get("forward"), "__func__", None) is _packed_call
+    ]
+    for conv in packed:
+        unpack_conv(conv, free=False)
+    try:
+        yield
+    finally:
+        for conv in packed:
+            pack_conv(conv, conv._pack_forward, conv._pack_backward)
 
 
 def unavailable() -> str | None:
