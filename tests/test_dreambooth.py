@@ -325,10 +325,14 @@ def test_only_the_lora_matrices_change(run):
         assert frozen.keys() == ref.keys(), name
         assert all(torch.equal(v, ref[k]) for k, v in frozen.items()), f"{name}: a frozen weight changed"
         ups = {n: p for n, p in lora.lora_parameters(model) if ".lora_B." in n}
-        still_zero = sorted(n.split(".lora_B")[0] for n, p in ups.items() if p.abs().max() == 0)
+        still_zero = {n.split(".lora_B")[0] for n, p in ups.items() if p.abs().max() == 0}
         # The tiny UNet's mid-block is 1x1 at 64 px: its self-attention has one key, the softmax
-        # is 1 whatever q and k are, so their gradient is exactly zero. Every other B moved.
-        assert ups and still_zero == (MID_BLOCK_QK if name == "unet" else []), (name, still_zero)
+        # is 1 whatever q and k are, so their true gradient is zero. Whether the computed one is
+        # exactly zero depends on the CPU's attention kernel: on an AMD EPYC it is, and their B
+        # stays zero; on a Xeon with AMX rounding leaves a tiny gradient that AdamW turns into B
+        # of ~2e-3 (every other B: 3.5e-2 or more). Every other B moved.
+        allowed = set(MID_BLOCK_QK) if name == "unet" else set()
+        assert ups and still_zero <= allowed, (name, sorted(still_zero))
         trained += sum(p.numel() for _, p in lora.lora_parameters(model))
     assert result.summary["trainable_parameters"] == trained
     saved = load_file(result.lora_weights_path)
@@ -469,9 +473,11 @@ def _lora_updates(out) -> dict[str, torch.Tensor]:
 
 
 def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest difference of two runs' LoRA updates, relative to the layer's update in ``b``."""
+    """How far two runs' LoRA updates are apart: the norm of the difference over all layers,
+    relative to the norm of ``b``'s update."""
     assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b if b[k].abs().max() > 0)
+    difference = sum(float((a[k] - b[k]).square().sum()) for k in b)
+    return (difference / sum(float(v.square().sum()) for v in b.values())) ** 0.5
 
 
 @pytest.mark.slow
@@ -479,11 +485,14 @@ def test_two_processes_batch_1_equal_one_process_batch_2(process_runs):
     """Same items, same keyed draws, gradients averaged over the ranks: the same update.
 
     mpirun and torchrun give bit-identical LoRA files. Against one process with batch 2 the
-    per-step losses agree to rounding, and the LoRA updates (B @ A of each layer) to 1.4 % of the
-    layer's update (measured): AdamW amplifies fp32 rounding where a gradient element nearly cancels
-    (A gets its first non-zero gradient in step 2, when B is still tiny). The tolerance, 5 %, is far
-    below the difference to a run that trained on half the data per step, as a rank would without
-    the all-reduce.
+    per-step losses agree to rounding (1e-4; measured up to 1.9e-5 on a Xeon with AMX, while the
+    run on half the data is 3-6 % off), and the LoRA updates (B @ A of each layer) to 10 % of
+    their norm. Not element by element: AdamW's first step moves every element of B by the
+    learning rate times the sign of its gradient, so where a gradient element nearly cancels, fp32
+    rounding flips it. How often depends on the CPU's kernels: the largest single layer's
+    difference measured 1.4 % on an AMD EPYC and 77 % on a Xeon with AMX (400 % in the mid-block's
+    q and k, whose true gradient is zero), while over all layers it was 2.7 % there, and 89 % for
+    the run trained on half the data per step, as a rank would without the all-reduce.
     """
     runs = process_runs
     mpirun, torchrun = (
@@ -492,11 +501,12 @@ def test_two_processes_batch_1_equal_one_process_batch_2(process_runs):
     )
     assert mpirun.keys() == torchrun.keys() and all(torch.equal(mpirun[k], torchrun[k]) for k in mpirun)
     losses = {k: [h["loss"] for h in json.loads((v / "history.json").read_text())] for k, v in runs.items()}
-    assert losses["mpirun"] == pytest.approx(losses["single"], rel=1e-5)
+    assert losses["mpirun"] == pytest.approx(losses["single"], rel=1e-4)
+    assert losses["half"] != pytest.approx(losses["single"], rel=1e-2)
     single = _lora_updates(runs["single"])
     same = _relative_difference(_lora_updates(runs["mpirun"]), single)
     half = _relative_difference(_lora_updates(runs["half"]), single)
-    assert same < 0.05 and half > 10 * same, (same, half)
+    assert same < 0.1 and half > 0.5, (same, half)
 
 
 # --- the benchmark's code paths (numbers are bench/'s business) ---------------------------------------
