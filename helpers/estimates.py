@@ -8,7 +8,8 @@ shows the estimate for this machine, notebook 01 turns it into the cluster's hou
 
 The scaling is stated, not hidden: time per step grows with images per process and with pixels
 (from the nearest measured resolution), and shrinks with physical cores per process (linear, which
-is optimistic). A CPU family with no row of its own uses the row of the same precision and says so.
+is optimistic). Rows are kept per CPU family (native bf16 or not, AMX or not): a machine takes the
+row of its own family where there is one, else the slowest row of the same precision, and says so.
 """
 
 from __future__ import annotations
@@ -25,19 +26,26 @@ class StepTime:
 
     cpu: str
     native_bf16: bool
+    amx: bool
     physical_cores: int
     resolution: int
     batch: int
     precision: str  # "bf16" or "no" (fp32)
     seconds_per_step: float
+    reference_seconds_per_step: float  # diffusers' full-matrix step, measured beside it
     source: str  # the bench/results file it comes from
 
 
 EPYC = "AMD EPYC (AVX-512, AVX512-BF16)"
+XEON_AMX = "Intel Xeon (AMX, AVX512-BF16)"
 MEASURED: tuple[StepTime, ...] = (
-    StepTime(EPYC, True, 2, 256, 1, "bf16", 1.42, "bench/results/train_step-sd15-shape-256px-bf16.json"),
-    StepTime(EPYC, True, 2, 256, 1, "no", 2.42, "bench/results/train_step-sd15-shape-256px.json"),
-)
+    StepTime(EPYC, True, False, 2, 256, 1, "bf16", 1.42, 2.59, "bench/results/train_step-sd15-shape-256px-bf16.json"),
+    StepTime(EPYC, True, False, 2, 256, 1, "no", 2.42, 4.19, "bench/results/train_step-sd15-shape-256px.json"),
+    StepTime(XEON_AMX, True, True, 2, 256, 1, "bf16", 0.80, 1.75,
+             "bench/results/xeon-amx/train_step-sd15-shape-256px-bf16.json"),
+    StepTime(XEON_AMX, True, True, 2, 256, 1, "no", 1.78, 3.13,
+             "bench/results/xeon-amx/train_step-sd15-shape-256px.json"),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ def training_time(
     processes: int = 1,
     native_bf16: bool | None = None,
     cpu: str | None = None,
+    amx: bool | None = None,
 ) -> TrainingTime:
     """Expected wall time of ``max_train_steps`` optimizer steps.
 
@@ -93,10 +102,12 @@ def training_time(
         processes: training processes per node; they split the node's cores.
         native_bf16: whether the CPU computes bf16 natively (None: unknown); picks the row.
         cpu: the CPU's name, to say when the measurement comes from another CPU.
+        amx: whether the CPU has AMX (None: unknown); picks the row. Where the family is not
+            known, the slowest candidate is the estimate.
     """
     rows = [m for m in MEASURED if m.precision == precision] or list(MEASURED)
-    same_family = [m for m in rows if native_bf16 is None or m.native_bf16 == native_bf16]
-    basis = min(same_family or rows, key=lambda m: abs(m.resolution - resolution))
+    same_family = [m for m in rows if native_bf16 in (None, m.native_bf16) and amx in (None, m.amx)]
+    basis = min(same_family or rows, key=lambda m: (abs(m.resolution - resolution), -m.seconds_per_step))
     cores_per_process = max(1, physical_cores // max(1, processes))
     per_step = (
         basis.seconds_per_step
@@ -111,7 +122,7 @@ def training_time(
         notes.append(f"{cores_per_process} cores per process, assumed to scale linearly (optimistic)")
     if precision != basis.precision:
         notes.append("no measurement in this precision yet")
-    if not same_family or (cpu and basis.cpu.split(" (")[0] not in cpu):
+    if not same_family or (cpu and basis.cpu.split(" (")[0].split()[-1] not in cpu):  # EPYC, Xeon
         notes.append(f"measured on another CPU than {cpu or 'this one'}: its own speed may differ a lot")
     scaling = "; ".join(notes) or "measured as is"
     return TrainingTime(per_step * max_train_steps, per_step, basis, scaling)
@@ -121,7 +132,8 @@ def workshop_time(report) -> TrainingTime:
     """The real defaults of notebook 02 (:data:`WORKSHOP_DEFAULTS`) on the machine of ``report``
     (a :func:`helpers.cpu.report`)."""
     return training_time(**WORKSHOP_DEFAULTS, precision=report.precision, physical_cores=report.physical_cores,
-                         native_bf16=report.native_bf16, cpu=report.model_name)  # fmt: skip
+                         native_bf16=report.native_bf16, cpu=report.model_name,
+                         amx=bool(report.isa_flags.get("amx_bf16")))  # fmt: skip
 
 
 def cluster_time(vm_size: str, node_count: int, nproc_per_node: int = 2) -> TrainingTime:
@@ -142,7 +154,8 @@ def cluster_time(vm_size: str, node_count: int, nproc_per_node: int = 2) -> Trai
     images = WORKSHOP_DEFAULTS["max_train_steps"] * WORKSHOP_DEFAULTS["train_batch_size"]
     world = node_count * nproc_per_node
     return training_time(-(-images // world), WORKSHOP_DEFAULTS["resolution"], 1, "bf16" if native else "no",
-                         max(1, vcpus // 2), nproc_per_node, native, row.cpu if row else vm_size)  # fmt: skip
+                         max(1, vcpus // 2), nproc_per_node, native, row.cpu if row else vm_size,
+                         row.amx if row else None)  # fmt: skip
 
 
 def time_box(report) -> str:

@@ -7,9 +7,9 @@ are the last gradient the backward produces, so nothing overlaps it)::
     images per second = nodes x processes per node x batch / seconds per step
 
 * **Compute** is a measured step (:mod:`helpers.estimates`: ``bench/results/train_step-*.json``),
-  scaled to the resolution and batch and to the cores each process gets, linearly (optimistic). The
-  reference's step is ours times the reference/ours ratio measured in the same file
-  (:data:`REFERENCE_OVER_OURS`).
+  scaled to the resolution and batch and to the cores each process gets, linearly (optimistic),
+  from the row of the machine's CPU family (AMX or not). The reference's step is ours times the
+  reference/ours ratio measured beside it in the same file.
 * **All-reduce** is a ring over ``p = nodes x processes per node`` ranks, placed node by node:
   ``2 (p - 1)`` steps, each moving ``bytes / p`` over every hop at once, so a step lasts as long as
   its slowest hop: ``latency + bytes / p / bandwidth``. Hops inside a node use :data:`LOOPBACK`
@@ -64,10 +64,6 @@ LOOPBACK_SOURCE = "bench/results/scaling-loopback.json"
 # Added to the loopback latency between VMs. Not measured (no second machine here): an assumed
 # one-way TCP latency inside an Azure region with accelerated networking.
 NETWORK_LATENCY_S = 50e-6
-
-# The reference's step over ours, both measured in one process (train_step-sd15-shape-256px*.json,
-# medians: bf16 2.59 / 1.42 s, fp32 4.19 / 2.42 s). A test keeps them equal to the files.
-REFERENCE_OVER_OURS = {"bf16": 2.5934 / 1.4186, "no": 4.1884 / 2.4190}
 
 
 def fit_link(sizes: Sequence[int], seconds: Sequence[float], processes: int) -> Link:
@@ -139,6 +135,7 @@ class Machine:
     network_gbps: float  # to the other nodes
     precision: str  # "bf16" or "no" (fp32): the measured step it is scaled from
     native_bf16: bool | None = None
+    amx: bool | None = None  # picks the measured row of its CPU family (helpers.estimates)
 
 
 def azure_machine(vm_size: str) -> Machine:
@@ -154,7 +151,7 @@ def azure_machine(vm_size: str) -> Machine:
             "Dsv6 or Esv6 size, or describe the node with scaling.Machine(...)"
         )
     precision = "bf16" if row.native_bf16 else "no"
-    return Machine(vm_size, max(1, vcpus // 2), gbps, precision, row.native_bf16)
+    return Machine(vm_size, max(1, vcpus // 2), gbps, precision, row.native_bf16, row.amx)
 
 
 @dataclass(frozen=True)
@@ -207,12 +204,13 @@ def predict(
         machine = azure_machine(machine)
     if nodes < 1 or nproc_per_node < 1:
         raise InputError(f"nodes={nodes}, nproc_per_node={nproc_per_node}: both must be at least 1")
-    step = estimates.training_time(
+    compute = estimates.training_time(
         1, resolution, train_batch_size, machine.precision, machine.physical_cores, nproc_per_node,
-        machine.native_bf16,
-    ).seconds_per_step  # fmt: skip
+        machine.native_bf16, amx=machine.amx,
+    )  # fmt: skip
+    step = compute.seconds_per_step
     if mode == "reference":
-        step *= REFERENCE_OVER_OURS[machine.precision]
+        step *= compute.basis.reference_seconds_per_step / compute.basis.seconds_per_step
     network = network_link(machine.network_gbps)
     comm = allreduce_seconds(allreduced_bytes(mode, num_vectors), nodes, nproc_per_node, network)
     return Prediction(mode, nodes, nproc_per_node, train_batch_size, step, comm)
@@ -226,7 +224,7 @@ def predict(
 # per process, bf16; "200 steps should run in about 5 minutes" and 3,000 steps in "about an hour".
 # The guide does not give the network between the servers: 25 Gbit/s is an assumption (it hardly
 # matters: above ~14 Gbit/s the loopback hops inside a node are the ring's slowest).
-GUIDE_MACHINE = Machine("2 x Xeon Platinum 8480+ (guide)", 112, 25.0, "bf16", True)
+GUIDE_MACHINE = Machine("2 x Xeon Platinum 8480+ (guide)", 112, 25.0, "bf16", True, True)
 GUIDE = {
     "nodes": 4,
     "nproc_per_node": 4,
@@ -271,9 +269,10 @@ class GuideCheck:
 def guide_check(machine: Machine = GUIDE_MACHINE) -> GuideCheck:
     """Predict the guide's published run (:data:`GUIDE` on :data:`GUIDE_MACHINE`) from our measurements.
 
-    Our measured bf16 step comes from an AMD EPYC with AVX512-BF16 but no AMX, scaled linearly
-    from 2 to 28 cores per process: AMX is faster per core, 28 threads are less than 14x as fast
-    as 2. The two errors pull in opposite directions, so agreement is partly luck.
+    The bf16 step is the row measured on a Xeon with AMX, the guide's CPU family (2 vCPUs of a
+    cloud VM), scaled linearly from 2 to 28 cores per process. 28 threads are less than 14x as
+    fast as 2, so the model predicts too little time; the guide also ran older libraries (torch 2.0,
+    IPEX, diffusers 0.17) than the reference measured here.
     """
     g = GUIDE
     settings = dict(nodes=g["nodes"], nproc_per_node=g["nproc_per_node"], resolution=g["resolution"],

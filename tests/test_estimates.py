@@ -13,7 +13,7 @@ from helpers import estimates, notebooks
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("row", estimates.MEASURED, ids=lambda r: f"{r.resolution}px-{r.precision}")
+@pytest.mark.parametrize("row", estimates.MEASURED, ids=lambda r: f"{r.source.split('/')[-2]}-{r.precision}")
 def test_every_measured_row_is_its_benchmark_result(row):
     result = json.loads((ROOT / row.source).read_text())
     assert (result["model"], result["resolution"], result["batch"]) == (
@@ -23,8 +23,12 @@ def test_every_measured_row_is_its_benchmark_result(row):
     )
     assert result["mixed_precision"] == row.precision and result["threads"] == row.physical_cores
     assert round(result["modes"]["ours"]["seconds_per_step"]["median"], 2) == row.seconds_per_step
-    assert row.cpu.startswith(result["machine"]["cpu"])
+    assert (
+        round(result["modes"]["reference"]["seconds_per_step"]["median"], 2) == row.reference_seconds_per_step
+    )
+    assert all(word in result["machine"]["cpu"] for word in row.cpu.split(" (")[0].split())
     assert ("avx512_bf16" in result["machine"]["isa"]) == row.native_bf16
+    assert ("amx_bf16" in result["machine"]["isa"]) == row.amx
 
 
 def test_workshop_defaults_are_notebook_02s_parameters():
@@ -49,6 +53,33 @@ def test_scaling_from_the_nearest_measurement_is_stated():
     assert "measured on another CPU than Intel Xeon Platinum 8480+" in other.scaling
     assert other.describe().startswith(f"about {10 * row.seconds_per_step:.0f} s (")
     assert row.source in other.describe()
+
+
+def test_each_cpu_family_takes_its_own_row():
+    """AMX or not picks the row; where the family is unknown, the slowest row of the precision."""
+
+    def row(precision, amx):
+        return next(m for m in estimates.MEASURED if m.precision == precision and m.amx == amx)
+
+    for precision in ("bf16", "no"):
+        for amx in (True, False):
+            got = estimates.training_time(1, 256, 1, precision, 2, native_bf16=True, amx=amx)
+            assert (
+                got.basis is row(precision, amx)
+                and got.seconds_per_step == row(precision, amx).seconds_per_step
+            )
+        unknown = estimates.training_time(1, 256, 1, precision, 2)
+        assert unknown.basis is max(
+            (row(precision, a) for a in (True, False)), key=lambda m: m.seconds_per_step
+        )
+    xeon = estimates.training_time(
+        1, 256, 1, "bf16", 2, native_bf16=True, amx=True, cpu="Intel(R) Xeon(R) Processor"
+    )
+    assert xeon.scaling == "measured as is"
+    epyc_cpu = estimates.training_time(1, 256, 1, "bf16", 2, native_bf16=True, amx=True, cpu="AMD EPYC 9V74")
+    assert "measured on another CPU than AMD EPYC 9V74" in epyc_cpu.scaling
+    v6 = estimates.cluster_time("Standard_D16s_v6", 1)  # Emerald Rapids: AMX
+    assert v6.basis is row("bf16", True)
 
 
 def test_cluster_time_spreads_notebook_02s_images_over_every_process():
