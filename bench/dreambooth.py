@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -202,19 +203,29 @@ def _timed(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, float]]],
     return results, lora_numel, unet_numel
 
 
-def class_image_seconds(args: argparse.Namespace) -> float:
-    """Seconds to draw one class picture at the resolution, as the trainer draws them (after a warm-up picture)."""
+def class_image_seconds(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds to draw one class picture at the resolution, as the trainer draws them (its UNet's
+    convolutions prepacked, forward only) and with PyTorch's plain convolutions: after a warm-up
+    picture, two of each in the order packed, plain, plain, packed; medians."""
     from helpers.dreambooth import class_images
+    from helpers.engine import prepack
 
     with tempfile.TemporaryDirectory(prefix="bench-dreambooth-class-") as work:
         config = make_config(args, Path(work), 1).replace(class_data_dir=str(Path(work) / "class"))
         pipe = class_images.class_pipeline(
-            common.model_dir(args.model), cpu.compute_dtype(args.mixed_precision)
+            common.model_dir(args.model), cpu.compute_dtype(args.mixed_precision), prepack_convs=True
         )
         class_images.draw_class_images(config.replace(class_num_inference_steps=1), pipe, [0])  # warm-up
-        start = time.perf_counter()
-        class_images.draw_class_images(config, pipe, [1])
-        return time.perf_counter() - start
+        seconds: dict[str, list[float]] = {"prepacked": [], "plain": []}
+        for k, mode in enumerate(("prepacked", "plain", "plain", "prepacked"), start=1):
+            start = time.perf_counter()
+            if mode == "plain":
+                with prepack.plain(pipe.unet):
+                    class_images.draw_class_images(config, pipe, [k])
+            else:
+                class_images.draw_class_images(config, pipe, [k])
+            seconds[mode].append(time.perf_counter() - start)
+        return {mode: statistics.median(v) for mode, v in seconds.items()}
 
 
 def _phases(marks: dict[str, float]) -> dict[str, float]:
@@ -276,7 +287,11 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"speed-up (reference / ours): {r['speedup']:.2f}x")
     lines += common.rss_ratio_line(r)
     if "class_image_seconds" in r:
-        lines.append(f"one class picture (25 steps, guidance 7.5): {r['class_image_seconds']:.1f} s")
+        c = r["class_image_seconds"]
+        lines.append(
+            f"one class picture (25 steps, guidance 7.5): {c['prepacked']:.1f} s with prepacked convolutions, "
+            f"{c['plain']:.1f} s plain ({c['plain'] / c['prepacked']:.2f}x)"
+        )
     lines.append(
         f"LoRA: {r['lora_parameters']:,} parameters, {r['allreduce_bytes_per_step']:,} bytes all-reduced per step "
         f"(the whole UNet: {r['full_unet_allreduce_bytes_per_step']:,})"

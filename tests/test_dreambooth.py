@@ -251,7 +251,8 @@ def test_class_images_are_generated_resumably_and_any_split_draws_the_same(tmp_p
     assert (again.existing, again.generated) == (2, 1)
     assert all((folder / n).stat().st_mtime_ns == stamps[n] for n in (names[0], names[2]))
     assert abs(_pixels(folder / names[1]) - first[names[1]]).max() <= 1  # alone vs in a batch of 2
-    # two ranks split the plan (k % 2): the same pictures as one process drew
+    # two ranks split the plan (k % 2): the same pictures as one process drew (that one with the
+    # UNet's convolutions prepacked, as the trainer draws them; class_pipe with PyTorch's own)
     split = tiny_config(tmp_path, class_data_dir=str(tmp_path / "split"))
     todo = class_images.plan(tmp_path / "split", 3)
     for rank in (0, 1):
@@ -264,6 +265,21 @@ def test_class_images_are_generated_resumably_and_any_split_draws_the_same(tmp_p
         config, models.resolve_model("tiny"), FakeAccelerator()
     )
     assert (nothing_missing.existing, nothing_missing.generated, nothing_missing.seconds) == (3, 0, 0.0)
+
+
+def test_class_pictures_use_the_forward_copy_of_prepacked_convolutions(tmp_path):
+    pipe = class_images.class_pipeline(models.resolve_model("tiny"), prepack_convs=True)
+    packed = [m for m in pipe.unet.modules() if "_pack_forward" in m.__dict__]
+    assert packed and len(packed) == sum(prepack.packable(m) for m in pipe.unet.modules())
+    assert all(m._pack_forward and not m._pack_backward for m in packed)
+    class_images.draw_class_images(tiny_config(tmp_path), pipe, [0])
+    copies = [set(prepack._COPIES[m][torch.float32]) for m in packed]
+    assert copies == [{"fwd"}] * len(packed)  # made on first use; no input-gradient copy
+    assert prepack.copy_bytes(pipe.unet, backward=False) == sum(m.weight.numel() * 4 for m in packed)
+    assert not any(
+        "_pack_forward" in m.__dict__
+        for m in class_images.class_pipeline(models.resolve_model("tiny")).unet.modules()
+    )
 
 
 # --- whole runs ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -31,8 +32,11 @@ from tqdm.auto import tqdm
 
 from helpers import supervise
 from helpers.data import validate_image_folder
+from helpers.engine import prepack
 from helpers.errors import InputError
 from helpers.files import save_image_atomic, write_text_atomic
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = ".class_images.json"
 
@@ -145,7 +149,8 @@ def ensure_class_images(
         total=len(todo), desc="class images", unit="image", disable=not accelerator.is_local_main_process
     )
     # the other ranks draw as many meanwhile
-    draw_class_images(config, class_pipeline(model_dir, dtype), mine, lambda n: progress.update(
+    pipe = class_pipeline(model_dir, dtype, prepack_convs=config.prepack_convs)
+    draw_class_images(config, pipe, mine, lambda n: progress.update(
         min(n * accelerator.num_processes, progress.total - progress.n)))  # fmt: skip
     progress.close()
     supervise.beat(supervise.WAITING)
@@ -189,13 +194,24 @@ def draw_class_images(
     return written
 
 
-def class_pipeline(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """The base model's pipeline as class pictures are drawn: DPM-Solver++, no safety checker, no progress bar."""
+def class_pipeline(
+    model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, prepack_convs: bool = False
+):
+    """The base model's pipeline as class pictures are drawn: DPM-Solver++, no safety checker, no progress bar.
+
+    ``prepack_convs``: the UNet's convolutions use weights laid out for oneDNN once
+    (:func:`helpers.engine.prepack.pack_unet`, the forward's copy only), where it fits in memory.
+    """
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(
         model_dir, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False
     )
+    pipe.unet.requires_grad_(False)  # only generates
+    if prepack_convs:
+        packed = prepack.pack_unet(pipe.unet, backward=False)
+        if packed.reason:
+            logger.warning(packed.describe())
     # DPM-Solver++ is deterministic (no noise between steps) and good in 20-25 steps
     pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)

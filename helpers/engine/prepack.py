@@ -19,7 +19,9 @@ and back per convolution), and the results are the same bit for bit.
 
 The engine (and the DreamBooth-LoRA trainer, whose LoRA leaves the convolutions frozen) packs the
 UNet when ``prepack_convs`` is on (the default) and the copies fit in memory (:func:`pack_unet`);
-never together with IPEX, which lays out weights its own way.
+never together with IPEX, which lays out weights its own way. DreamBooth's class pictures are drawn
+with the forward's copy alone: measured on a Xeon with AMX, the UNet's forward (batch 2, 256 px)
+1.38x faster in fp32 and 1.74x in bf16.
 """
 
 from __future__ import annotations
@@ -175,25 +177,27 @@ class PackResult:
         return f"{self.convolutions} convolutions use weights laid out once (+{self.bytes / 2**30:.2f} GiB)"
 
 
-def copy_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the copies :func:`pack_conv` makes for ``module``'s packable convolutions."""
+def copy_bytes(module: torch.nn.Module, backward: bool = True) -> int:
+    """Bytes of the copies :func:`pack_conv` makes for ``module``'s packable convolutions
+    (``backward=False``: the forward's only)."""
     total = 0
     for conv in module.modules():
         if packable(conv):
-            copies = 2 if conv.stride == (1, 1) else 1
+            copies = 2 if backward and conv.stride == (1, 1) else 1
             total += copies * conv.weight.numel() * conv.weight.element_size()
     return total
 
 
-def pack_unet(unet: torch.nn.Module, available_bytes: int | None = None) -> PackResult:
+def pack_unet(unet: torch.nn.Module, available_bytes: int | None = None, backward: bool = True) -> PackResult:
     """Pack every packable convolution of the frozen ``unet`` if the copies fit.
 
     They fit when they take at most :data:`MEMORY_SHARE` of the memory available now, divided among
     the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
+    ``backward=False`` (a UNet that only generates) keeps the forward's copy only, half the memory.
     """
     if problem := unavailable():
         return PackResult(0, 0, problem)
-    need = copy_bytes(unet)
+    need = copy_bytes(unet, backward)
     if available_bytes is None:
         import psutil
 
@@ -206,5 +210,5 @@ def pack_unet(unet: torch.nn.Module, available_bytes: int | None = None) -> Pack
             f"the copies need {need / 2**30:.1f} GiB and this process's share of free memory is "
             f"{share / 2**30:.1f} GiB (the steps run at the plain speed; --no-prepack_convs silences this)",
         )
-    count = sum(pack_conv(conv) for conv in unet.modules())
+    count = sum(pack_conv(conv, backward=backward) for conv in unet.modules())
     return PackResult(count, need)
