@@ -23,6 +23,7 @@ shapes, not on what the pictures show, and no class picture has to be generated 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -211,7 +212,6 @@ def class_image_seconds(args: argparse.Namespace) -> dict[str, float]:
     convolutions prepacked, forward only) and with PyTorch's plain convolutions: after a warm-up
     picture, two of each in the order packed, plain, plain, packed; medians."""
     from helpers.dreambooth import class_images
-    from helpers.engine import prepack
 
     with tempfile.TemporaryDirectory(prefix="bench-dreambooth-class-") as work:
         config = make_config(args, Path(work), 1).replace(class_data_dir=str(Path(work) / "class"))
@@ -222,10 +222,7 @@ def class_image_seconds(args: argparse.Namespace) -> dict[str, float]:
         seconds: dict[str, list[float]] = {"prepacked": [], "plain": []}
         for k, mode in enumerate(("prepacked", "plain", "plain", "prepacked"), start=1):
             start = time.perf_counter()
-            if mode == "plain":
-                with prepack.plain(pipe.unet):
-                    class_images.draw_class_images(config, pipe, [k])
-            else:
+            with prepack.plain(pipe.unet) if mode == "plain" else contextlib.nullcontext():
                 class_images.draw_class_images(config, pipe, [k])
             seconds[mode].append(time.perf_counter() - start)
         return {mode: statistics.median(v) for mode, v in seconds.items()}

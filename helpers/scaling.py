@@ -6,7 +6,7 @@ are the last gradient the backward produces, so nothing overlaps it)::
     seconds per step = compute per process + all-reduce
     images per second = nodes x processes per node x batch / seconds per step
 
-* **Compute** is a measured step (:mod:`helpers.estimates`: ``bench/results/train_step-*.json``),
+* **Compute** is a measured step (:mod:`helpers.estimates`: ``bench/results/**/train_step-*.json``),
   scaled to the resolution and batch and to the cores each process gets, linearly (optimistic),
   from the row of the machine's CPU family (AMX or not). The reference's step is ours times the
   reference/ours ratio measured beside it in the same file.
