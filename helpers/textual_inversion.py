@@ -60,6 +60,7 @@ from helpers.engine.rows import (
     write_rows,
 )
 from helpers.engine.saving import (
+    PipelineCopy,
     remove_full_pipeline,
     save_full_pipeline,
     save_learned_embeds,
@@ -97,6 +98,7 @@ __all__ = [
     "EmbeddingHook",
     "EpochSampler",
     "LearnedEmbeddings",
+    "PipelineCopy",
     "Run",
     "StepParts",
     "TrainResult",
@@ -234,10 +236,21 @@ def train(config: TrainConfig) -> TrainResult:
     run = setup_run(config, model_dir, tokenizer)
     start = resume(run, checked.checkpoint)
     history = prepare_output_dir(run, start)
-    record_startup(run, called)
-    # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
-    last = train_loop(run, start, history) if start < run.max_steps else start
-    return write_outputs(run, history, last)
+    # The full pipeline's unchanged weights go to disk while the steps run, not after them.
+    copied = PipelineCopy(model_dir, run.output_dir) if writes_pipeline(run) else None
+    try:
+        record_startup(run, called)
+        # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
+        last = train_loop(run, start, history) if start < run.max_steps else start
+        return write_outputs(run, history, last, copied)
+    finally:
+        if copied is not None:
+            copied.discard()
+
+
+def writes_pipeline(run: Run) -> bool:
+    """Whether this process saves the full pipeline at the end (``--save_as_full_pipeline``, main process)."""
+    return run.config.save_as_full_pipeline and run.accelerator.is_main_process
 
 
 def resume(run: Run, ckpt: Path | None) -> int:
@@ -393,8 +406,11 @@ def _summary(run: Run, history: list[dict], steps: int) -> dict:
     }
 
 
-def write_outputs(run: Run, history: list[dict], steps: int) -> TrainResult:
-    """Write the learned embeddings, history, final samples, the pipeline and, last, the summary."""
+def write_outputs(run: Run, history: list[dict], steps: int, copied: PipelineCopy | None) -> TrainResult:
+    """Write the learned embeddings, history, final samples, the pipeline and, last, the summary.
+
+    ``copied``: the :class:`PipelineCopy` started with the run when :func:`writes_pipeline`.
+    """
     config, accelerator, output_dir = run.config, run.accelerator, run.output_dir
     summary = _summary(run, history, steps)
     run.hook.remove()
@@ -411,7 +427,7 @@ def write_outputs(run: Run, history: list[dict], steps: int) -> TrainResult:
         if config.validation_prompt and config.num_validation_images:
             save_samples(run, output_dir / SAMPLES / "final")
         if config.save_as_full_pipeline:
-            save_full_pipeline(run, output_dir)
+            save_full_pipeline(run, output_dir, copied)
         elif (output_dir / MODEL_INDEX).exists():  # resumed without the flag: not this run's rows
             remove_full_pipeline(output_dir)
         write_json(output_dir / SUMMARY, summary)  # written last: marks a finished run

@@ -303,6 +303,53 @@ def test_full_pipeline_differs_from_base_only_in_new_rows(two_vector_run):
     assert image.size == (64, 64)
 
 
+def test_full_pipeline_copies_the_base_unet_and_vae_while_training(two_vector_run, tmp_path, monkeypatch):
+    """The UNet and VAE files are the base model's, byte for byte, and their copy is under way
+    before the first step (so the disk writes overlap training); nothing of it is left behind."""
+    cfg, result = two_vector_run
+    base = models.resolve_model("tiny")
+    for part in ("unet", "vae"):
+        for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+            assert (result.output_dir / part / name).read_bytes() == (base / part / name).read_bytes()
+
+    seen = []
+    original = ti.training_step
+
+    def step(parts, batches, epoch, step):
+        seen.append(sorted(p.name for p in (tmp_path / "run").glob(".pipeline.*.tmp/*")))
+        return original(parts, batches, epoch, step)
+
+    monkeypatch.setattr(ti, "training_step", step)
+    out = ti.train(tiny_config(tmp_path, max_train_steps=2, save_as_full_pipeline=True)).output_dir
+    assert seen[0] in (["unet"], ["unet", "vae"])  # the thread is copying the UNet or is past it
+    assert len(seen) == 2 and not list(out.glob(".*"))
+
+
+def test_a_failed_pipeline_copy_fails_the_run_and_leaves_no_pipeline(tmp_path, monkeypatch):
+    from helpers.engine import saving
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device", str(dst))
+
+    monkeypatch.setattr(saving.shutil, "copyfile", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        ti.train(tiny_config(tmp_path, max_train_steps=2, save_as_full_pipeline=True))
+    out = tmp_path / "run"
+    assert (out / "learned_embeds.safetensors").is_file()  # written before the pipeline
+    assert not (out / "model_index.json").exists() and not (out / "run_summary.json").exists()
+    assert not list(out.glob(".*"))  # the copy's temporary is removed
+
+
+def test_a_run_that_fails_while_training_removes_the_pipeline_copy(tmp_path, monkeypatch):
+    def crash(*args):
+        raise RuntimeError("crashed in step 1")
+
+    monkeypatch.setattr(ti, "training_step", crash)
+    with pytest.raises(RuntimeError, match="crashed in step 1"):
+        ti.train(tiny_config(tmp_path, max_train_steps=2, save_as_full_pipeline=True))
+    assert not list((tmp_path / "run").glob(".pipeline.*"))
+
+
 def test_bf16_run_keeps_the_saved_unet_fp32_and_untouched(tmp_path, monkeypatch):
     """With bf16 the frozen UNet trains in bf16 weights (no per-step casts), yet validation samples
     work, the learned rows stay fp32 and the saved pipeline's UNet is the base one, bit for bit."""

@@ -6,6 +6,8 @@ import json
 import os
 import secrets
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,15 +92,89 @@ def _beat(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
     return callback_kwargs
 
 
-def save_full_pipeline(run: Run, output_dir: Path) -> Path:
+# The heavy parts a textual-inversion run never changes, as diffusers' save_pretrained writes them.
+UNCHANGED_PARTS = {name: ("config.json", "diffusion_pytorch_model.safetensors") for name in ("unet", "vae")}
+COPY_LIMIT_SECONDS = 1800.0  # the base model's UNet and VAE (3.6 GB for SD v1.5) onto a slow disk
+
+
+class PipelineCopy:
+    """The base model's UNet and VAE files copied into the pipeline's temporary folder while training runs.
+
+    They make 3.6 of the 4.1 GB an SD v1.5 pipeline writes, and training never changes them. Copied
+    in a background thread (``shutil.copyfile``: the kernel copies, the GIL is free), the copy and
+    the disk's writes overlap the first steps instead of following the last one. Measured on a
+    2-vCPU Xeon, bf16, 20 steps: the whole command 3.5-4.7 s shorter. The copy slows the step it
+    overlaps (the kernel's copying takes a CPU from a 2-thread step), yet the save at the end
+    goes from 10 s to 1 s; copying the same files after the last step saved nothing, and the
+    thread at nice 19 was slower (it stretched over more steps). Only parts the base holds as diffusers writes them
+    (:data:`UNCHANGED_PARTS`) are copied, byte for byte; :func:`save_full_pipeline` saves the others.
+    The thread never calls back into the run; :meth:`wait` re-raises its error (a full disk).
+
+    Args:
+        model_dir: the base model's local folder.
+        output_dir: the run's output folder; the temporary is a hidden folder inside it, which
+            :func:`helpers.engine.folder.clear_leftovers` removes if the process dies.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, output_dir: str | os.PathLike):
+        source = Path(model_dir)
+        self.folder = Path(output_dir) / f".pipeline.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        self.parts = [
+            part
+            for part, names in UNCHANGED_PARTS.items()
+            if all((source / part / n).is_file() for n in names)
+        ]
+        self.folder.mkdir(parents=True)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._copy, args=(source,), name="pipeline-copy", daemon=True)
+        self._thread.start()
+
+    def _copy(self, source: Path) -> None:
+        try:
+            for part in self.parts:
+                (self.folder / part).mkdir()
+                for name in UNCHANGED_PARTS[part]:
+                    shutil.copyfile(source / part / name, self.folder / part / name)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            self._error = exc
+
+    def wait(self, limit: float = COPY_LIMIT_SECONDS) -> list[str]:
+        """Wait for the copy (beating as ``saving``); return the parts it copied.
+
+        Raises:
+            TimeoutError: the copy took more than ``limit`` seconds.
+            OSError: the copy failed (e.g. the disk is full).
+        """
+        deadline = time.monotonic() + limit
+        while self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"copying the base model's {' and '.join(self.parts)} into {self.folder} took over "
+                    f"{limit:.0f} s; check that disk, or train without --save_as_full_pipeline"
+                )
+            supervise.beat("saving")  # a slow disk is progress for helpers.launch, not a stall
+            self._thread.join(timeout=5.0)
+        if self._error is not None:
+            raise self._error
+        return self.parts
+
+    def discard(self) -> None:
+        """Remove the temporary (a no-op once :func:`save_full_pipeline` moved it into place)."""
+        self._thread.join(timeout=COPY_LIMIT_SECONDS)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def save_full_pipeline(run: Run, output_dir: Path, copied: PipelineCopy) -> Path:
     """Save the complete diffusers pipeline into ``output_dir`` itself, as diffusers' script does.
 
     ``output_dir`` then holds ``model_index.json``, ``text_encoder/``, ``tokenizer/`` (both with the
     placeholder tokens), ``unet/``, ``vae/`` and ``scheduler/`` beside ``learned_embeds.safetensors``,
     so ``StableDiffusionPipeline.from_pretrained(output_dir)`` (and optimum-intel's export) load it.
+    The UNet and VAE are the base model's, untouched: ``copied``, the :class:`PipelineCopy` started
+    with the run for ``output_dir``, holds their files (or holds none, and they are saved here).
 
-    Complete or absent: the pipeline is saved into a hidden folder inside ``output_dir``, any old
-    ``model_index.json`` is removed, each component folder is moved in
+    Complete or absent: the pipeline is saved into a hidden folder inside ``output_dir`` (``copied``'s),
+    any old ``model_index.json`` is removed, each component folder is moved in
     (:func:`helpers.files.move_dir_into_place`) and ``model_index.json`` is written last. A crash
     leaves no ``model_index.json``; the next run removes the half-moved parts
     (:func:`helpers.engine.folder.clear_leftovers`). Main process only.
@@ -106,8 +182,11 @@ def save_full_pipeline(run: Run, output_dir: Path) -> Path:
     from diffusers import StableDiffusionPipeline
 
     write_rows(run.text_encoder, run.token_ids, run.vectors)
-    # Training never changes the UNet: reuse it unless it was cast to bf16, then load the original.
-    unet = {"unet": run.unet} if run.unet.dtype == torch.float32 else {}
+    output_dir = Path(output_dir)
+    done = copied.wait()
+    # Training never changes the UNet: reuse it unless it was cast to bf16, then load the original
+    # (the module only names its class in model_index.json when its files were copied).
+    unet = {"unet": run.unet} if run.unet.dtype == torch.float32 or "unet" in done else {}
     base = StableDiffusionPipeline.from_pretrained(
         run.model_dir,
         text_encoder=run.text_encoder,
@@ -116,12 +195,14 @@ def save_full_pipeline(run: Run, output_dir: Path) -> Path:
         requires_safety_checker=False,
         **unet,
     )
-    output_dir = Path(output_dir)
     (output_dir / MODEL_INDEX).unlink(missing_ok=True)  # not a whole pipeline until the new one is in
-    tmp = output_dir / f".pipeline.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    tmp.mkdir(parents=True)
+    tmp = copied.folder
     try:
-        base.save_pretrained(tmp, safe_serialization=True)
+        # What DiffusionPipeline.save_pretrained does, less the parts already copied.
+        for name, module in base.components.items():
+            if module is not None and name not in done:
+                module.save_pretrained(tmp / name)
+        base.save_config(tmp)
         for part in sorted(tmp.iterdir()):
             if part.is_dir():
                 files.move_dir_into_place(part, output_dir / part.name)
