@@ -102,12 +102,13 @@ class PipelineCopy:
 
     They make 3.6 of the 4.1 GB an SD v1.5 pipeline writes, and training never changes them. Copied
     in a background thread (``shutil.copyfile``: the kernel copies, the GIL is free), the copy and
-    the disk's writes overlap the first steps instead of following the last one. Measured on a
-    2-vCPU Xeon, bf16, 20 steps: the whole command 3.5-4.7 s shorter. The copy slows the step it
-    overlaps (the kernel's copying takes a CPU from a 2-thread step), yet the save at the end
-    goes from 10 s to 1 s; copying the same files after the last step saved nothing, and the
-    thread at nice 19 was slower (it stretched over more steps). Only parts the base holds as diffusers writes them
-    (:data:`UNCHANGED_PARTS`) are copied, byte for byte; :func:`save_full_pipeline` saves the others.
+    the disk's writes overlap the first steps instead of following the last one: the save after
+    the last step goes from 10 s to 1 s. The copy slows the step it overlaps (on 2 vCPUs the
+    kernel's copying takes a CPU from the step), so the whole command gains less: 2-6 s of 40-55 s
+    (``bench.end_to_end``, bf16, 30 steps, a Xeon with AMX, old and new code side by side).
+    Copying after the last step gained nothing; the thread at nice 19 gained less (it stretched
+    over more steps). Only parts the base holds as diffusers writes them (:data:`UNCHANGED_PARTS`)
+    are copied, byte for byte; :func:`save_full_pipeline` saves the others.
     The thread never calls back into the run; :meth:`wait` re-raises its error (a full disk).
 
     Args:
