@@ -252,7 +252,7 @@ def setup_run(config: DreamBoothConfig) -> Run:
     packed = None
     if config.prepack_convs:  # LoRA trains the attention's linear layers: the convolutions stay frozen
         packed = prepack.pack_unet(unet)
-        (logger.warning if packed.reason else logger.info)(packed.describe(), main_process_only=True)
+        packed.log(logger, main_process_only=True)
     unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode
     text_encoder.train(config.gradient_checkpointing and config.train_text_encoder)
     if config.gradient_checkpointing:

@@ -176,6 +176,10 @@ class PackResult:
             return f"convolution weights not prepacked: {self.reason}"
         return f"{self.convolutions} convolutions use weights laid out once (+{self.bytes / 2**30:.2f} GiB)"
 
+    def log(self, logger, **kwargs) -> None:
+        """Log :meth:`describe`: a warning if nothing was packed, else info (``kwargs`` go to the logger)."""
+        (logger.warning if self.reason else logger.info)(self.describe(), **kwargs)
+
 
 def copy_bytes(module: torch.nn.Module, backward: bool = True) -> int:
     """Bytes of the copies :func:`pack_conv` makes for ``module``'s packable convolutions

@@ -116,7 +116,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     startup: dict = {}
     if config.prepack_convs and not config.use_ipex:  # IPEX lays weights out its own way
         packed = prepack.pack_unet(unet)
-        (logger.warning if packed.reason else logger.info)(packed.describe(), main_process_only=True)
+        packed.log(logger, main_process_only=True)
         startup["prepacked_convs"] = dataclasses.asdict(packed)
     tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
 
