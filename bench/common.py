@@ -444,13 +444,15 @@ class OursStep:
         with the UNet's convolutions prepacked as the engine has them (``prepack_convs``). On exit
         the UNet is plain again (the reference shares it); the packed copies are kept for next time."""
         self.hook = ti.EmbeddingHook(self.setup.parts.text_encoder, self.learned)
-        convs = [m for m in self.setup.parts.unet.modules() if prepack.pack_conv(m)]
+        packed = [
+            m for m in self.setup.parts.unet.modules() if prepack.pack_conv(m) or prepack.pack_linear(m)
+        ]
         try:
             yield
         finally:
             self.hook.remove()
-            for conv in convs:
-                prepack.unpack_conv(conv, free=False)
+            for module in packed:
+                prepack.unpack(module, free=False)
 
     def __call__(self, step: int, timer: PhaseTimer | None = None) -> float:
         batch = self.setup.batch(step)

@@ -8,7 +8,8 @@ the engine's step without them (everything else as the engine has it, including
 ``helpers.cpu.keep_freed_memory``): ``channels_last``, the attention kernel (``attention_math``:
 SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbmm + softmax),
 ``flush_denormal``, ``prepacked_convs`` (the engine's ``prepack_convs``, :mod:`helpers.engine.prepack`;
-``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``fused_qkv`` (diffusers'
+``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``prepacked_linears``
+(the engine's ``prepack_linears``), ``fused_qkv`` (diffusers'
 ``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
 separately). Process-level options run the real engine,
 ``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
@@ -111,7 +112,19 @@ def _prepacked(
                 if on:
                     prepack.pack_conv(module, forward=forward, backward=backward)
                 else:  # keep the reordered copies while comparing; freed at the end
-                    prepack.unpack_conv(module, free=not keep)
+                    prepack.unpack(module, free=not keep)
+
+    return apply
+
+
+def _prepacked_linears(on: bool) -> Callable[[common.OursStep], None]:
+    def apply(step: common.OursStep) -> None:
+        for module in step.setup.parts.unet.modules():
+            if isinstance(module, torch.nn.Linear):
+                if on:
+                    prepack.pack_linear(module)
+                else:  # keep the laid-out copies while comparing; freed at the end
+                    prepack.unpack(module, free=False)
 
     return apply
 
@@ -150,6 +163,7 @@ IN_PROCESS = {
         Option("prepacked_convs", _prepacked(True), _prepacked(False), engine=True),
         Option("prepacked_convs_forward", _prepacked(True, backward=False), _prepacked(False)),
         Option("prepacked_convs_backward", _prepacked(True, forward=False), _prepacked(False)),
+        Option("prepacked_linears", _prepacked_linears(True), _prepacked_linears(False), engine=True),
         Option("fused_qkv", _fused_qkv(True), _fused_qkv(False)),
         Option("bf16_weights", _bf16_weights(True), _bf16_weights(False), engine=True),
     )

@@ -1,6 +1,6 @@
-"""Prepacked convolutions (helpers.engine.prepack): the same numbers as PyTorch's convolution, the
-gradient still reaching the placeholder, and the engine's choice recorded. Speed is
-``bench.optimisations --only prepacked_convs``'s, never asserted here."""
+"""Prepacked convolutions and linear layers (helpers.engine.prepack): the same numbers as PyTorch's
+own layers, the gradient still reaching the placeholder, and the engine's choice recorded. Speed is
+``bench.optimisations --only prepacked_convs,prepacked_linears``'s, never asserted here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_parts import tiny_config
 
-from helpers import models
+from helpers import cpu, models
 from helpers import textual_inversion as ti
 from helpers.engine import prepack
 
@@ -45,7 +45,7 @@ def test_prepacked_convolution_matches_the_plain_one_forward_and_backward(cin, c
     (g4,) = torch.autograd.grad(conv(x4).square().sum(), x4)
     (e4,) = torch.autograd.grad(_plain(conv, x4).square().sum(), x4)
     torch.testing.assert_close(g4, e4, rtol=1e-4, atol=1e-4)
-    prepack.unpack_conv(conv)
+    prepack.unpack(conv)
     assert "forward" not in conv.__dict__ and conv not in prepack._COPIES
 
 
@@ -113,23 +113,141 @@ def test_plain_runs_pytorchs_own_convolutions_for_a_while_and_keeps_the_copies()
     assert all(prepack._copies(c)[k] is v[k] for c, v in zip(net, copies, strict=True) for k in v)
 
 
-def test_pack_unet_skips_when_the_copies_do_not_fit(monkeypatch):
-    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1)).requires_grad_(False)
-    need = prepack.copy_bytes(net)
+def test_pack_unet_packs_what_fits_convolutions_first(monkeypatch):
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Linear(8, 8)).requires_grad_(
+        False
+    )
+    convs, linears = prepack.copy_bytes(net), prepack.linear_copy_bytes(net)
+    assert (convs, linears) == (2 * 4 * 8 * 4 * 9, 2 * 4 * 8 * 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes share the node's memory
-    short = prepack.pack_unet(net, available_bytes=int(need * 2 / prepack.MEMORY_SHARE) - 1)
-    assert (short.convolutions, short.bytes) == (0, need) and "forward" not in net[0].__dict__
+
+    def available(n: int) -> int:  # the node's free memory that gives this process a share of n bytes
+        return int(n * 2 / prepack.MEMORY_SHARE)
+
+    short = prepack.pack_unet(net, available_bytes=available(linears) - 2, linears=True)
+    assert (short.convolutions, short.linears, short.bytes) == (0, 0, 0)
+    assert [("forward" in m.__dict__) for m in net] == [False, False]
     assert short.describe().startswith("convolution weights not prepacked: the copies need")
-    assert "--no-prepack_convs" in short.reason
-    enough = prepack.pack_unet(net, available_bytes=int(need * 2 / prepack.MEMORY_SHARE) + 2)
-    assert (enough.convolutions, enough.bytes, enough.reason) == (1, need, None)
-    assert "forward" in net[0].__dict__
+    assert "--no-prepack_convs" in short.reason and "--no-prepack_linears" in short.reason
+
+    linears_only = prepack.pack_unet(net, available_bytes=available(convs) - 2, linears=True)
+    assert (linears_only.convolutions, linears_only.linears, linears_only.bytes) == (0, 1, linears)
+    assert linears_only.describe().startswith(
+        "1 linear layers use weights laid out once (+0.00 GiB); convolution"
+    )
+    prepack.unpack(net[1])
+
+    convs_only = prepack.pack_unet(net, available_bytes=available(convs) + 2, linears=True)
+    assert (convs_only.convolutions, convs_only.linears, convs_only.bytes) == (1, 0, convs)
+    assert [("forward" in m.__dict__) for m in net] == [True, False]
+    assert convs_only.describe().startswith(
+        "1 convolutions use weights laid out once (+0.00 GiB); linear weights"
+    )
+    for module in net:
+        prepack.unpack(module)
+
+    both = prepack.pack_unet(net, available_bytes=available(convs + linears) + 2, linears=True)
+    assert (both.convolutions, both.linears, both.bytes, both.reason) == (1, 1, convs + linears, None)
+    assert [("forward" in m.__dict__) for m in net] == [True, True]
+    assert both.describe() == "1 convolutions and 1 linear layers use weights laid out once (+0.00 GiB)"
+    for module in net:
+        prepack.unpack(module)
+    assert (
+        prepack.pack_unet(net, available_bytes=available(linears) + 2, convs=False, linears=True).linears == 1
+    )
+    assert [("forward" in m.__dict__) for m in net] == [False, True]
 
 
-def test_the_placeholder_gets_the_same_gradient_through_prepacked_convolutions():
-    """The toy-world UNet with every convolution prepacked gives the learned row the gradient of the
-    plain UNet, to 1e-5 (norm of the difference over the norm; measured 6e-7: oneDNN's convolution
-    sums in another order than PyTorch's call of it). Not the random tiny model: its text side
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_prepacked_linear_matches_the_plain_one_forward_and_backward(bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(40, 24, bias=bias).requires_grad_(False)
+    x = torch.randn(2, 7, 40, requires_grad=True)
+    y = linear(x)
+    grad = torch.randn_like(y)
+    (expected,) = torch.autograd.grad(y, x, grad)
+    assert prepack.pack_linear(linear)
+    y2 = linear(x)
+    (got,) = torch.autograd.grad(y2, x, grad)
+    assert y2.shape == y.shape
+    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert set(prepack._copies(linear)) == {"fwd", "bwd"}
+    # Laid out for 14 rows, the copies serve other row counts, without gradients and with a
+    # non-contiguous input and gradient (a transposed view, as attention hands over).
+    x3 = torch.randn(40, 5, 3).transpose(0, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x3), torch.nn.functional.linear(x3, linear.weight, linear.bias))
+    x4 = x3.clone().requires_grad_(True)
+    g4 = torch.randn(24, 5, 3).transpose(0, 2)
+    (got4,) = torch.autograd.grad(linear(x4), x4, g4)
+    torch.testing.assert_close(got4, g4 @ linear.weight, rtol=1e-5, atol=1e-5)
+    prepack.unpack(linear)
+    assert "forward" not in linear.__dict__ and linear not in prepack._COPIES
+
+
+def test_a_linear_layer_used_without_gradients_makes_only_the_forward_copy():
+    linear = torch.nn.Linear(8, 8).requires_grad_(False)
+    assert prepack.pack_linear(linear)
+    linear(torch.randn(3, 8, requires_grad=True).detach())
+    assert set(prepack._copies(linear)) == {"fwd"}
+    twin = copy.deepcopy(linear)  # a copy computes with its own weight, not the original's copies
+    with torch.no_grad():
+        twin.weight.mul_(2)
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias))
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 arithmetic"
+)
+def test_a_bf16_linear_layer_under_autocast_takes_fp32_inputs_and_returns_fp32_gradients():
+    """Layer norm's output is fp32 under autocast; autocast casts it for PyTorch's linear, and so must this.
+    Relative error of the output and the input gradient against the plain bf16 layer: measured
+    ~3e-3, at bf16's rounding (2**-8 = 4e-3 per element)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(1, 33, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(x)
+    (expected,) = torch.autograd.grad(y.float().square().sum(), x)
+    assert prepack.pack_linear(linear)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y2 = linear(x)
+    (got,) = torch.autograd.grad(y2.float().square().sum(), x)
+    assert y2.dtype == torch.bfloat16 and got.dtype == torch.float32
+    assert _rel(y2, y) < 1e-2 and _rel(got, expected) < 1e-2
+
+
+def test_only_frozen_linear_layers_are_packed_and_plain_restores_them():
+    trainable = torch.nn.Linear(4, 4)
+    trainable_bias = torch.nn.Linear(4, 4).requires_grad_(False)
+    trainable_bias.bias.requires_grad_(True)
+    assert not prepack.pack_linear(trainable) and not prepack.pack_linear(trainable_bias)
+    assert not prepack.packable_linear(torch.nn.Conv2d(4, 4, 1).requires_grad_(False))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Conv2d(6, 6, 1)).requires_grad_(False)
+    assert (
+        prepack.linear_copy_bytes(net) == 2 * 4 * 24
+        and prepack.linear_copy_bytes(net, backward=False) == 4 * 24
+    )
+    assert prepack.pack_linear(net[0]) and prepack.pack_conv(net[1])
+    x = torch.randn(2, 4)
+    net[0](x)
+    with prepack.plain(net):
+        assert [("forward" in m.__dict__) for m in net] == [False, False]
+    assert [("forward" in m.__dict__) for m in net] == [True, True]
+    assert "fwd" in prepack._copies(net[0])  # kept across plain()
+
+
+def test_the_placeholder_gets_the_same_gradient_through_prepacked_layers():
+    """The toy-world UNet with every convolution and linear layer prepacked gives the learned row the
+    gradient of the plain UNet, to 1e-5 (norm of the difference over the norm; measured 6e-7 with
+    the convolutions alone: oneDNN sums in another order than PyTorch's call of it). Not the random tiny model: its text side
     amplifies such rounding of a near-zero gradient to percent level, prepacked or not."""
     base = models.load_components(models.TOYWORLD, load_vae=False)
     tok = base.tokenizer
@@ -155,10 +273,10 @@ def test_the_placeholder_gets_the_same_gradient_through_prepacked_convolutions()
         return learned.vectors.grad.clone()
 
     plain = gradient()
-    packed = prepack.pack_unet(base.unet)
-    assert (
-        packed.reason is None and packed.convolutions == sum(map(prepack.packable, base.unet.modules())) > 0
-    )
+    packed = prepack.pack_unet(base.unet, linears=True)
+    assert packed.reason is None
+    assert packed.convolutions == sum(map(prepack.packable, base.unet.modules())) > 0
+    assert packed.linears == sum(map(prepack.packable_linear, base.unet.modules())) > 0
     got = gradient()
     hook.remove()
     assert plain.norm() > 0
@@ -185,9 +303,16 @@ def test_the_input_gradient_stays_channels_last_without_a_copy():
 
 def test_a_run_prepacks_by_default_records_it_and_can_turn_it_off(tmp_path):
     packed = ti.train(tiny_config(tmp_path, "packed", max_train_steps=2))
-    plain = ti.train(tiny_config(tmp_path, "plain", max_train_steps=2, prepack_convs=False))
+    plain = ti.train(
+        tiny_config(tmp_path, "plain", max_train_steps=2, prepack_convs=False, prepack_linears=False)
+    )
+    convs_only = ti.train(tiny_config(tmp_path, "convs", max_train_steps=2, prepack_linears=False))
     record = packed.summary["startup"]["prepacked_convs"]
-    assert record["reason"] is None and record["convolutions"] > 0 and record["bytes"] > 0
+    assert record["reason"] is None and record["convolutions"] > 0 and record["linears"] > 0
+    dtype = cpu.compute_dtype(cpu.choose_precision(tiny_config(tmp_path).mixed_precision).mixed_precision)
+    unet = models.load_components(models.TINY, load_vae=False, unet_dtype=dtype).unet.requires_grad_(False)
+    assert record["bytes"] == prepack.copy_bytes(unet) + prepack.linear_copy_bytes(unet)
+    assert (convs_only.summary["startup"]["prepacked_convs"]["linears"]) == 0
     assert "prepacked_convs" not in plain.summary["startup"]
     # the first step's loss is computed before any update: the two runs agree on it
     assert packed.history[0]["loss"] == pytest.approx(plain.history[0]["loss"], rel=1e-5)

@@ -22,6 +22,16 @@ UNet when ``prepack_convs`` is on (the default) and the copies fit in memory (:f
 never together with IPEX, which lays out weights its own way. DreamBooth's class pictures are drawn
 with the forward's copy alone: on a Xeon with AMX a 256 px picture took 40.7 s instead of 53.8 s in
 fp32 (``bench.dreambooth --class_image``).
+
+Frozen ``Linear`` layers get the same treatment (:func:`pack_linear`, the engine's ``prepack_linears``):
+PyTorch hands oneDNN (bf16) or MKL (fp32) the plain weight in every call, and the library lays
+it out afresh each time, which costs most where few rows meet a large weight (the 8x8 and 4x4
+levels of the UNet at 256 px). The forward's copy is the weight laid out by
+``mkldnn._reorder_linear_weight``, the input gradient's is its transpose laid out the same way;
+both run through ``mkldnn._linear_pointwise`` (fp32 and bf16 alike: MKL's packed format would add
+about 8 MB to every copy). Per call on a Xeon with AMX it is 1.1-2.2x faster in bf16 and up to
+1.7x in fp32; the whole step's numbers are in the README (``bench.optimisations --only
+prepacked_linears``).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from helpers import cpu
 
 # The copies may take at most this fraction of this process's share of the node's free memory.
 MEMORY_SHARE = 0.5
-# convolution -> {weight dtype: {"fwd": copy, "bwd": copy}}. Outside the module, so that a deep copy of
+# convolution or linear layer -> {weight dtype: {"fwd": copy, "bwd": copy}}. Outside the module, so that a deep copy of
 # a packed module (whose oneDNN tensors cannot be copied) starts without copies and makes its own.
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -55,9 +65,9 @@ class _PackedConvFn(torch.autograd.Function):
         return _input_grad(ctx.conv, grad, ctx.input_shape), None
 
 
-def _copies(conv: torch.nn.Conv2d) -> dict[str, torch.Tensor]:
-    """The laid-out copies of ``conv``'s current weight (by dtype: a module cast later gets new ones)."""
-    return _COPIES.setdefault(conv, {}).setdefault(conv.weight.dtype, {})
+def _copies(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The laid-out copies of ``module``'s current weight (by dtype: a module cast later gets new ones)."""
+    return _COPIES.setdefault(module, {}).setdefault(module.weight.dtype, {})
 
 
 def _forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +112,67 @@ def _packed_call(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return _forward(conv, x)
 
 
+class _PackedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+        ctx.linear = linear
+        return _linear_forward(linear, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _linear_input_grad(ctx.linear, grad), None
+
+
+def _linear_pointwise(x: torch.Tensor, laid_out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, laid_out, bias, "none", [], "")
+
+
+def _lay_out_linear(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    # ``rows`` (the input's rows, batch x tokens) is oneDNN's hint for the layout; any other count works.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows.numel() // rows.shape[-1])
+
+
+def _linear_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    x = x.to(linear.weight.dtype)  # under bf16 autocast the input may come from an fp32 op (layer norm)
+    state = _copies(linear)
+    if "fwd" not in state:
+        state["fwd"] = _lay_out_linear(linear.weight.detach(), x)
+    return _linear_pointwise(x, state["fwd"], linear.bias)
+
+
+def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor) -> torch.Tensor:
+    """``grad @ weight``, as a linear layer whose weight is the transpose, laid out once."""
+    grad = grad.to(linear.weight.dtype)
+    state = _copies(linear)
+    if "bwd" not in state:
+        state["bwd"] = _lay_out_linear(linear.weight.detach().t().contiguous(), grad)
+    return _linear_pointwise(grad, state["bwd"], None)
+
+
+def _packed_linear_call(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _PackedLinearFn.apply(x, linear)
+    return _linear_forward(linear, x)
+
+
+def packable_linear(linear: torch.nn.Module) -> bool:
+    """A frozen ``Linear`` layer: what :func:`pack_linear` handles."""
+    return (
+        isinstance(linear, torch.nn.Linear)
+        and not linear.weight.requires_grad
+        and (linear.bias is None or not linear.bias.requires_grad)
+    )
+
+
+def pack_linear(linear: torch.nn.Linear) -> bool:
+    """Route a :func:`packable_linear` layer through weights laid out once (made on first use: the
+    input gradient's copy only if a backward runs). Returns whether it did; :func:`unpack` undoes it."""
+    if not packable_linear(linear):
+        return False
+    linear.forward = types.MethodType(_packed_linear_call, linear)
+    return True
+
+
 def packable(conv: torch.nn.Module) -> bool:
     """A frozen, ungrouped, undilated, zero-padded ``Conv2d``: what :func:`pack_conv` handles."""
     return (
@@ -128,56 +199,70 @@ def pack_conv(conv: torch.nn.Conv2d, forward: bool = True, backward: bool = True
     return True
 
 
-def unpack_conv(conv: torch.nn.Conv2d, free: bool = True) -> None:
-    """Undo :func:`pack_conv`; ``free=False`` keeps the copies for the next :func:`pack_conv`."""
-    conv.__dict__.pop("forward", None)
+def unpack(module: torch.nn.Module, free: bool = True) -> None:
+    """Undo :func:`pack_conv` or :func:`pack_linear`; ``free=False`` keeps the copies for the next pack."""
+    module.__dict__.pop("forward", None)
     if free:
-        _COPIES.pop(conv, None)
+        _COPIES.pop(module, None)
+
+
+def _packed_by(module: torch.nn.Module):
+    """The call :func:`pack_conv` or :func:`pack_linear` installed on ``module``, else None."""
+    return getattr(module.__dict__.get("forward"), "__func__", None)
 
 
 @contextmanager
 def plain(model: torch.nn.Module) -> Iterator[None]:
-    """PyTorch's own convolutions in ``model`` for a while (e.g. to time a program that does not
-    prepack); the packed ones are packed again afterwards, their copies kept."""
-    packed = [
-        m for m in model.modules() if getattr(m.__dict__.get("forward"), "__func__", None) is _packed_call
-    ]
-    for conv in packed:
-        unpack_conv(conv, free=False)
+    """PyTorch's own convolutions and linear layers in ``model`` for a while (e.g. to time a program
+    that does not prepack); the packed ones are packed again afterwards, their copies kept."""
+    packed = [m for m in model.modules() if _packed_by(m) in (_packed_call, _packed_linear_call)]
+    calls = [_packed_by(m) for m in packed]
+    for module in packed:
+        unpack(module, free=False)
     try:
         yield
     finally:
-        for conv in packed:
-            pack_conv(conv, conv._pack_forward, conv._pack_backward)
+        for module, call in zip(packed, calls, strict=True):
+            module.forward = types.MethodType(call, module)
 
 
 def unavailable() -> str | None:
-    """Why this torch cannot pack convolutions (no oneDNN, or its private ops are gone), else None."""
+    """Why this torch cannot pack weights (no oneDNN, or its private ops are gone), else None."""
     if not torch.backends.mkldnn.is_available():
         return "this torch is built without oneDNN"
-    if not hasattr(torch._C._nn, "mkldnn_reorder_conv2d_weight") or not hasattr(
-        torch.ops.mkldnn, "_convolution_pointwise"
+    ops = ("_convolution_pointwise", "_linear_pointwise", "_reorder_linear_weight")
+    if not hasattr(torch._C._nn, "mkldnn_reorder_conv2d_weight") or not all(
+        hasattr(torch.ops.mkldnn, op) for op in ops
     ):
-        return f"torch {torch.__version__} lacks oneDNN's convolution ops"
+        return f"torch {torch.__version__} lacks oneDNN's convolution and linear ops"
     return None
 
 
 @dataclass(frozen=True)
 class PackResult:
-    """What :func:`pack_unet` did: ``convolutions`` packed, the ``bytes`` their copies will take, or
-    the ``reason`` it packed nothing."""
+    """What :func:`pack_unet` did: ``convolutions`` and ``linears`` packed, the ``bytes`` their copies
+    will take, and the ``reason`` a kind of layer was left plain (None if none was)."""
 
     convolutions: int
     bytes: int
     reason: str | None = None
+    linears: int = 0
 
     def describe(self) -> str:
+        said = []
+        if self.convolutions or self.linears:
+            layers = " and ".join(
+                f"{n} {kind}"
+                for n, kind in ((self.convolutions, "convolutions"), (self.linears, "linear layers"))
+                if n
+            )
+            said.append(f"{layers} use weights laid out once (+{self.bytes / 2**30:.2f} GiB)")
         if self.reason:
-            return f"convolution weights not prepacked: {self.reason}"
-        return f"{self.convolutions} convolutions use weights laid out once (+{self.bytes / 2**30:.2f} GiB)"
+            said.append(self.reason)
+        return "; ".join(said)
 
     def log(self, logger, **kwargs) -> None:
-        """Log :meth:`describe`: a warning if nothing was packed, else info (``kwargs`` go to the logger)."""
+        """Log :meth:`describe`: a warning if something was left plain, else info (``kwargs`` go to the logger)."""
         (logger.warning if self.reason else logger.info)(self.describe(), **kwargs)
 
 
@@ -192,27 +277,51 @@ def copy_bytes(module: torch.nn.Module, backward: bool = True) -> int:
     return total
 
 
-def pack_unet(unet: torch.nn.Module, available_bytes: int | None = None, backward: bool = True) -> PackResult:
-    """Pack every packable convolution of the frozen ``unet`` if the copies fit.
+def linear_copy_bytes(module: torch.nn.Module, backward: bool = True) -> int:
+    """Bytes of the copies :func:`pack_linear` makes for ``module``'s packable linear layers."""
+    per_copy = sum(m.weight.numel() * m.weight.element_size() for m in module.modules() if packable_linear(m))
+    return per_copy * (2 if backward else 1)
+
+
+def pack_unet(
+    unet: torch.nn.Module,
+    available_bytes: int | None = None,
+    backward: bool = True,
+    convs: bool = True,
+    linears: bool = False,
+) -> PackResult:
+    """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``)
+    where the copies fit.
 
     They fit when they take at most :data:`MEMORY_SHARE` of the memory available now, divided among
     the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
-    ``backward=False`` (a UNet that only generates) keeps the forward's copy only, half the memory.
+    The convolutions come first (their copies buy the most per byte); the linear layers are packed
+    only if their copies fit beside them. ``backward=False`` (a UNet that only generates) keeps the
+    forward's copies only, half the memory.
     """
     if problem := unavailable():
         return PackResult(0, 0, problem)
-    need = copy_bytes(unet, backward)
     if available_bytes is None:
         import psutil
 
         available_bytes = psutil.virtual_memory().available
     share = MEMORY_SHARE * available_bytes / cpu.local_processes()
-    if need > share:
-        return PackResult(
-            0,
-            need,
-            f"the copies need {need / 2**30:.1f} GiB and this process's share of free memory is "
-            f"{share / 2**30:.1f} GiB (the steps run at the plain speed; --no-prepack_convs silences this)",
+    kinds = []
+    if convs:
+        kinds.append(
+            ("convolution", "convs", copy_bytes(unet, backward), lambda m: pack_conv(m, backward=backward))
         )
-    count = sum(pack_conv(conv, backward=backward) for conv in unet.modules())
-    return PackResult(count, need)
+    if linears:
+        kinds.append(("linear", "linears", linear_copy_bytes(unet, backward), pack_linear))
+    counts, used, skipped = {}, 0, []
+    for kind, flag, need, pack in kinds:
+        if used + need > share:
+            skipped.append(
+                f"{kind} weights not prepacked: the copies need {need / 2**30:.1f} GiB and this process's "
+                f"share of free memory is {(share - used) / 2**30:.1f} GiB (those layers run at the plain "
+                f"speed; --no-prepack_{flag} silences this)"
+            )
+            continue
+        counts[kind] = sum(pack(m) for m in unet.modules())
+        used += need
+    return PackResult(counts.get("convolution", 0), used, "; ".join(skipped) or None, counts.get("linear", 0))

@@ -114,8 +114,10 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
         logger.warning(precision.warning, main_process_only=True)
     text_encoder, unet, noise_scheduler, token_ids = _load_modules(config, model_dir, tokenizer, precision)
     startup: dict = {}
-    if config.prepack_convs and not config.use_ipex:  # IPEX lays weights out its own way
-        packed = prepack.pack_unet(unet)
+    if (
+        config.prepack_convs or config.prepack_linears
+    ) and not config.use_ipex:  # IPEX lays weights out its own way
+        packed = prepack.pack_unet(unet, convs=config.prepack_convs, linears=config.prepack_linears)
         packed.log(logger, main_process_only=True)
         startup["prepacked_convs"] = dataclasses.asdict(packed)
     tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
