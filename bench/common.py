@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import statistics
 import sys
@@ -60,13 +61,18 @@ def _packed_conv_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int
     return conv_flop_count(x_shape, w_shape, out_shape, transposed=False)
 
 
+def _packed_linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(x_shape) * w_shape[0]  # rows x in x out, the weight being (out, in)
+
+
 # torch's FLOP counter has no formula for the CPU flash-attention kernels (SDPA all the same), nor
-# for oneDNN's convolution op that the engine's prepacked convolutions call (helpers.engine.prepack),
-# forward and input gradient alike: the same FLOPs as the aten convolutions they replace.
+# for oneDNN's convolution and linear ops that the engine's prepacked layers call
+# (helpers.engine.prepack), forward and input gradient alike: the same FLOPs as the aten ops they replace.
 CPU_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
     torch.ops.mkldnn._convolution_pointwise: _packed_conv_flops,
+    torch.ops.mkldnn._linear_pointwise: _packed_linear_flops,
 }
 
 

@@ -33,7 +33,7 @@ from helpers import cpu
 FAMILIES = (
     ("convolution", r"conv"),
     ("attention", r"scaled_dot_product|attention"),
-    ("matmul", r"\b(mm|addmm|bmm|baddbmm|matmul|linear)\b"),
+    ("matmul", r"\b(mm|addmm|bmm|baddbmm|matmul|linear)\b|_linear_pointwise"),
     ("normalisation", r"norm"),
     ("activation", r"silu|gelu|sigmoid|softmax"),
     ("copies, casts and fills", r"copy|\bto\b|contiguous|clone|\bcat\b|empty|zero|fill"),

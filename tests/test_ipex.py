@@ -52,11 +52,14 @@ def _cli(out, *extra: str) -> dict:
 def cli_runs(tmp_path_factory):
     """The same seed trained with and without ``--use_ipex``, fp32, each in its own process.
 
-    The plain run turns the engine's prepacked convolutions off, as ``--use_ipex`` does: the
-    comparison is of IPEX's kernels against PyTorch's own (prepacking has its own tests)."""
+    The plain run turns the engine's prepacked convolutions and linear layers off, as ``--use_ipex``
+    does: the comparison is of IPEX's kernels against PyTorch's own (prepacking has its own tests)."""
     tmp = tmp_path_factory.mktemp("ipex")
     runs = {}
-    for name, extra in {"plain": ("--no-prepack_convs",), "ipex": ("--use_ipex",)}.items():
+    for name, extra in {
+        "plain": ("--no-prepack_convs", "--no-prepack_linears"),
+        "ipex": ("--use_ipex",),
+    }.items():
         summary = _cli(tmp / name, "--mixed_precision", "no", *extra)
         history = json.loads((tmp / name / "history.json").read_text())
         embedding = load_file(tmp / name / "learned_embeds.safetensors")["<dicoo>"]
