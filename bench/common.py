@@ -154,6 +154,18 @@ def gemm_gflops(n: int = 2048, repeats: int = 6, dtype: torch.dtype = torch.floa
     return 2 * n**3 / best / 1e9
 
 
+def read_gbps(gib: float = 1.0, repeats: int = 5) -> float:
+    """This machine's memory read speed (GB/s) at the current thread setting: the sum of a ``gib``
+    GiB fp32 tensor, far larger than any cache, best of ``repeats``."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
 def flop_counts(fn: Callable[[], Any]) -> dict[str, int]:
     """FLOPs of ``fn()`` per op (``"aten.convolution"``...), as torch's FLOP counter sees them."""
     with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter:

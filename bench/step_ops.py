@@ -11,7 +11,15 @@ family: seconds per step, GFLOP per step, GFLOP/s, and the seconds lost against 
 dtype, measured in the same process. Families without FLOPs lose all of their time. oneDNN's own
 work (its weight and activation reorders included) is inside the convolution family;
 ``bench.train_step`` splits it by primitive kind. Also the ops with the most self time, each with
-its input shapes. Results: ``bench/results/step_ops-<model>-<px>px[-bf16].json``. Not part of
+its input shapes.
+
+The FLOP bound ignores that at batch 1 many layers have few rows (16 at the UNet's 4x4 level at
+256 px) against a large frozen weight, which has to come from memory on every call: a 1280 x 1280
+x 3 x 3 convolution reads 29 MB of bf16 weights for 0.5 GFLOP. So each family also gets a
+roofline bound: per op call with FLOPs, ``max(FLOPs / peak, frozen weight bytes / read speed)``
+(the weights read: the modules' parameters and the engine's laid-out copies; activations are
+taken as cached, so it stays a lower bound), with the read speed of a 1 GiB sum measured in the
+same process. Results: ``bench/results/step_ops-<model>-<px>px[-bf16].json``. Not part of
 ``make test``.
 """
 
@@ -24,7 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
 
 from bench import common
 from helpers import cpu
@@ -63,11 +74,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def flops_by_family(fn) -> dict[str, float]:
-    """FLOPs of one ``fn()`` per family, from torch's FLOP counter (with the CPU attention formula)."""
-    out: dict[str, float] = {}
-    for op, n in common.flop_counts(fn).items():
-        out[family(op)] = out.get(family(op), 0.0) + n
+class _CallCounter(FlopCounterMode):
+    """torch's FLOP counter, call by call: each op call with FLOPs as (family, FLOPs, bytes of the
+    frozen weights it reads). A weight is a tensor whose storage is one of ``weights`` (data
+    pointers), or a oneDNN-laid-out tensor (only the engine's copies of weights are)."""
+
+    def __init__(self, weights: set[int]):
+        super().__init__(display=False, custom_mapping=common.CPU_FLOPS)
+        self.weights, self.calls = weights, []
+
+    def _is_weight(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and (t.is_mkldnn or t.untyped_storage().data_ptr() in self.weights)
+
+    def _count_flops(self, func_packet, out, args, kwargs):  # the counter's per-call hook (torch 2.x)
+        before = self.flop_counts["Global"][func_packet]
+        out = super()._count_flops(func_packet, out, args, kwargs)
+        if flops := self.flop_counts["Global"][func_packet] - before:
+            read = sum(
+                t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs)) if self._is_weight(t)
+            )
+            self.calls.append((family(str(func_packet)), flops, read))
+        return out
+
+
+def op_calls(fn, modules) -> list[tuple[str, int, int]]:
+    """Every op call with FLOPs in one ``fn()``: (family, FLOPs, bytes of frozen weights read), the
+    weights being ``modules``' parameters and buffers (and oneDNN-laid-out copies)."""
+    weights = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
+    with _CallCounter(weights) as counter:
+        fn()
+    return counter.calls
+
+
+def roofline(calls: list[tuple[str, int, int]], peak: float, read_bytes_per_s: float) -> dict[str, dict]:
+    """Per family: FLOPs, weight bytes read, and the roofline bound, the sum over the calls of
+    ``max(FLOPs / peak, bytes / read speed)``."""
+    out: dict[str, dict] = {}
+    for fam, flops, read in calls:
+        f = out.setdefault(fam, {"flops": 0, "weight_bytes": 0, "bound_seconds": 0.0})
+        f["flops"] += flops
+        f["weight_bytes"] += read
+        f["bound_seconds"] += max(flops / peak, read / read_bytes_per_s)
     return out
 
 
@@ -83,12 +130,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 start = time.perf_counter()
                 ours(1 + i)
                 plain.append(time.perf_counter() - start)
-            flops = flops_by_family(lambda: ours(0))
+            calls = op_calls(lambda: ours(0), (setup.parts.unet, setup.parts.text_encoder))
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 for i in range(args.steps):
                     ours(1 + args.steps + i)
     dtype = cpu.compute_dtype(args.mixed_precision)
     peak = max(common.gemm_gflops(dtype=dtype) for _ in range(3)) * 1e9
+    read = common.read_gbps() * 1e9
+    roof = roofline(calls, peak, read)
     seconds: dict[str, float] = {}
     for event in prof.key_averages():
         fam = family(event.key)
@@ -96,16 +145,20 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     top = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)[:TOP_OPS]
     families = {}
     for fam in [f for f, _ in FAMILIES] + [OTHER]:
-        s, n = seconds.get(fam, 0.0), flops.get(fam, 0.0)
+        s, r = seconds.get(fam, 0.0), roof.get(fam, {"flops": 0, "weight_bytes": 0, "bound_seconds": 0.0})
+        n = r["flops"]
         families[fam] = {
             "seconds": s,
             "gflop": n / 1e9,
             "gflops_per_s": n / s / 1e9 if s and n else 0.0,
             "fraction_of_peak": n / s / peak if s and n else 0.0,
             "seconds_lost": s - n / peak,
+            "weight_gb": r["weight_bytes"] / 1e9,
+            "roofline_seconds": r["bound_seconds"],
         }
     profiled = sum(seconds.values())
-    total_flops = sum(flops.values())
+    total_flops = sum(r["flops"] for r in roof.values())
+    roofline_seconds = sum(r["bound_seconds"] for r in roof.values())
     result = {
         "model": args.model,
         "resolution": args.resolution,
@@ -119,6 +172,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "peak_gflops": peak / 1e9,
         "bound_seconds": total_flops / peak,
         "fraction_of_bound": total_flops / peak / statistics.median(plain),
+        "read_gbps": read / 1e9,
+        "roofline_seconds": roofline_seconds,
+        "fraction_of_roofline": roofline_seconds / statistics.median(plain),
         "families": families,
         "top_ops": [
             {
@@ -140,14 +196,22 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:
-    """Markdown: per family, seconds per step and seconds lost against the bound."""
+    """Markdown: per family, seconds per step, seconds lost against the FLOP bound, and the roofline
+    bound (results measured before it existed show "-" there)."""
     lines = [
         "Where the engine's step loses against its bound (`bench.step_ops`: self time per family of ops "
-        "under torch's profiler; lost = seconds - FLOPs / GEMM peak):",
+        "under torch's profiler; lost = seconds - FLOPs / GEMM peak; roofline = the sum over calls of "
+        "max(FLOPs / GEMM peak, frozen weights read / memory read speed)):",
         "",
-        "| model | px | precision | family | s/step | GFLOP | GFLOP/s | of peak | s lost |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | px | precision | family | s/step | GFLOP | GFLOP/s | of peak | s lost | weights read, GB | roofline, s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def roof(f: dict[str, Any]) -> str:
+        if "roofline_seconds" not in f:
+            return "- | -"
+        return f"{f['weight_gb']:.2f} | {f['roofline_seconds']:.2f}" if f["gflop"] else "- | -"
+
     for r in sorted(results, key=lambda r: r["mixed_precision"] != "no"):
         precision = "bf16" if r["mixed_precision"] == "bf16" else "fp32"
         head = f"| {r['model']} | {r['resolution']} | {precision} |"
@@ -156,13 +220,20 @@ def table(results: list[dict[str, Any]]) -> list[str]:
                 continue
             rate = f"{f['gflops_per_s']:.0f} | {100 * f['fraction_of_peak']:.0f} %" if f["gflop"] else "- | -"
             lines.append(
-                f"{head} {fam} | {f['seconds']:.2f} | {f['gflop']:.0f} | {rate} | {f['seconds_lost']:.2f} |"
+                f"{head} {fam} | {f['seconds']:.2f} | {f['gflop']:.0f} | {rate} | {f['seconds_lost']:.2f} | {roof(f)} |"
             )
             head = "| | | |"
+        if "roofline_seconds" in r:
+            step_roof = (
+                f"{sum(f.get('weight_gb', 0) for f in r['families'].values()):.2f} at {r['read_gbps']:.0f} GB/s | "
+                f"**{r['roofline_seconds']:.2f}** ({100 * r['fraction_of_roofline']:.0f} %)"
+            )
+        else:
+            step_roof = "- | -"
         lines.append(
             f"| | | | **step** | **{r['seconds_per_step']:.2f}** (profiled {r['profiled_seconds_per_step']:.2f}) | "
             f"{r['gflop_per_step']:.0f} | peak {r['peak_gflops']:.0f} | {100 * r['fraction_of_bound']:.0f} % "
-            f"| {r['seconds_per_step'] - r['bound_seconds']:.2f} |"
+            f"| {r['seconds_per_step'] - r['bound_seconds']:.2f} | {step_roof} |"
         )
     return lines
 

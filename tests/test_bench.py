@@ -20,6 +20,7 @@ from bench import (
 )
 from bench import inference as bench_inference
 from helpers import data, inference, models
+from helpers.engine import prepack
 
 PHASES = set(train_step.PHASES) | {"total"}
 
@@ -467,5 +468,37 @@ def test_step_ops_benchmark_on_tiny(tmp_path):
         assert fam[k]["gflop"] == 0 and fam[k]["seconds_lost"] == fam[k]["seconds"]
     assert sum(f["gflop"] for f in fam.values()) == pytest.approx(result["gflop_per_step"], rel=1e-9)
     assert len(result["top_ops"]) == step_ops.TOP_OPS
+    # The roofline bound: never under the FLOP bound, over it where weights were read
+    for k in ("convolution", "matmul"):
+        assert fam[k]["weight_gb"] > 0 and fam[k]["roofline_seconds"] >= fam[k]["gflop"] * 1e9 / (
+            result["peak_gflops"] * 1e9
+        )
+    assert fam["attention"]["weight_gb"] == 0  # q, k, v are activations
+    assert result["roofline_seconds"] == pytest.approx(sum(f["roofline_seconds"] for f in fam.values()))
+    assert result["roofline_seconds"] >= result["bound_seconds"] and result["read_gbps"] > 0
     rows = step_ops.table([result])
     assert rows[-1].startswith(f"| | | | **step** | **{result['seconds_per_step']:.2f}** ")
+    assert rows[-1].endswith(
+        f"**{result['roofline_seconds']:.2f}** ({100 * result['fraction_of_roofline']:.0f} %) |"
+    )
+
+
+def test_op_calls_count_the_frozen_weights_each_call_reads_plain_or_laid_out():
+    linear = torch.nn.Linear(64, 32).requires_grad_(False)
+    x = torch.randn(4, 64)
+    weight_bytes = (64 * 32 + 32) * 4  # addmm reads the weight and the bias
+    assert step_ops.op_calls(lambda: linear(x), [linear]) == [("matmul", 2 * 4 * 64 * 32, weight_bytes)]
+    assert step_ops.op_calls(lambda: linear(x), []) == [("matmul", 2 * 4 * 64 * 32, 0)]  # not a weight
+    prepack.pack_linear(linear)
+    linear(
+        x
+    )  # the laid-out copy exists now: a oneDNN tensor, counted as a weight (the plain one is not read)
+    assert step_ops.op_calls(lambda: linear(x), [linear]) == [("matmul", 2 * 4 * 64 * 32, weight_bytes)]
+    assert step_ops.op_calls(lambda: linear(x), []) == [("matmul", 2 * 4 * 64 * 32, 64 * 32 * 4)]
+
+
+def test_the_roofline_takes_the_slower_of_compute_and_weight_reads_call_by_call():
+    calls = [("matmul", 100, 10), ("matmul", 10, 100), ("convolution", 50, 0)]
+    got = step_ops.roofline(calls, peak=10.0, read_bytes_per_s=20.0)
+    assert got["matmul"] == {"flops": 110, "weight_bytes": 110, "bound_seconds": 10.0 + 5.0}
+    assert got["convolution"] == {"flops": 50, "weight_bytes": 0, "bound_seconds": 5.0}
