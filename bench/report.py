@@ -210,7 +210,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-ONEDNN_ORDER = ("convolution", "reorder_weights", "reorder_activations", "matmul")
+ONEDNN_ORDER = ("convolution", "reorder_weights", "reorder_activations", "matmul", "inner_product")
 
 
 def _onednn_table(steps: list[dict[str, Any]]) -> list[str]:
@@ -219,7 +219,8 @@ def _onednn_table(steps: list[dict[str, Any]]) -> list[str]:
     kinds = [k for k in ONEDNN_ORDER if k in found] + sorted(found - set(ONEDNN_ORDER))
     title = (
         "Inside those phases, oneDNN's own log (seconds per step, medians of 3 steps; `reorder` = a "
-        "tensor laid out afresh for oneDNN; fp32 `Linear` layers run in MKL and are not in it):"
+        "tensor laid out afresh for oneDNN; `inner_product` = the engine's prepacked linear layers; "
+        "PyTorch's own fp32 `Linear` layers run in MKL and are not in it):"
     )
     return _seconds_by_mode(steps, title, "onednn_seconds", kinds)
 
