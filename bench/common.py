@@ -459,12 +459,13 @@ class OursStep:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Route the token embedding through the learned rows (the frozen matrix gets no gradient),
-        with the UNet's convolutions prepacked as the engine has them (``prepack_convs``). On exit
-        the UNet is plain again (the reference shares it); the packed copies are kept for next time."""
-        self.hook = ti.EmbeddingHook(self.setup.parts.text_encoder, self.learned)
-        packed = [
-            m for m in self.setup.parts.unet.modules() if prepack.pack_conv(m) or prepack.pack_linear(m)
-        ]
+        with the UNet's convolutions and both models' linear layers prepacked as the engine has them
+        (``prepack_convs``, ``prepack_linears``). On exit the models are plain again (the reference
+        shares them); the packed copies are kept for next time."""
+        parts = self.setup.parts
+        self.hook = ti.EmbeddingHook(parts.text_encoder, self.learned)
+        modules = [*parts.unet.modules(), *parts.text_encoder.modules()]
+        packed = [m for m in modules if prepack.pack_conv(m) or prepack.pack_linear(m)]
         try:
             yield
         finally:

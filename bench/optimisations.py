@@ -9,7 +9,8 @@ the engine's step without them (everything else as the engine has it, including
 SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbmm + softmax),
 ``flush_denormal``, ``prepacked_convs`` (the engine's ``prepack_convs``, :mod:`helpers.engine.prepack`;
 ``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``prepacked_linears``
-(the engine's ``prepack_linears``), ``fused_qkv`` (diffusers'
+(the engine's ``prepack_linears``), ``prepacked_text_encoder`` (the same for the text encoder's
+frozen linear layers, which the placeholder's gradient flows back through), ``fused_qkv`` (diffusers'
 ``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
 separately). Process-level options run the real engine,
 ``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
@@ -117,9 +118,9 @@ def _prepacked(
     return apply
 
 
-def _prepacked_linears(on: bool) -> Callable[[common.OursStep], None]:
+def _prepacked_linears(on: bool, model: str = "unet") -> Callable[[common.OursStep], None]:
     def apply(step: common.OursStep) -> None:
-        for module in step.setup.parts.unet.modules():
+        for module in getattr(step.setup.parts, model).modules():
             if isinstance(module, torch.nn.Linear):
                 if on:
                     prepack.pack_linear(module)
@@ -164,6 +165,12 @@ IN_PROCESS = {
         Option("prepacked_convs_forward", _prepacked(True, backward=False), _prepacked(False)),
         Option("prepacked_convs_backward", _prepacked(True, forward=False), _prepacked(False)),
         Option("prepacked_linears", _prepacked_linears(True), _prepacked_linears(False), engine=True),
+        Option(
+            "prepacked_text_encoder",
+            _prepacked_linears(True, "text_encoder"),
+            _prepacked_linears(False, "text_encoder"),
+            engine=True,
+        ),
         Option("fused_qkv", _fused_qkv(True), _fused_qkv(False)),
         Option("bf16_weights", _bf16_weights(True), _bf16_weights(False), engine=True),
     )

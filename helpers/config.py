@@ -257,7 +257,7 @@ class TrainConfig:
     prepack_convs: bool = _f(True, PREPACK_CONVS_HELP)
     prepack_linears: bool = _f(
         True,
-        "lay out the frozen UNet's linear-layer weights for oneDNN once instead of in every call: faster "
+        "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of in every call: faster "
         "steps for two more copies of those weights, skipped if memory is short (--no-prepack_linears: off)",
     )
     use_ipex: bool = _f(

@@ -177,7 +177,7 @@ def test_prepacked_linear_matches_the_plain_one_forward_and_backward(bias):
     assert y2.shape == y.shape
     torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert set(prepack._copies(linear)) == {"fwd", "bwd"}
+    assert set(prepack._copies(linear)) == {"fwd", "bias", "bwd"}
     # Laid out for 14 rows, the copies serve other row counts, without gradients and with a
     # non-contiguous input and gradient (a transposed view, as attention hands over).
     x3 = torch.randn(40, 5, 3).transpose(0, 2)
@@ -195,7 +195,7 @@ def test_a_linear_layer_used_without_gradients_makes_only_the_forward_copy():
     linear = torch.nn.Linear(8, 8).requires_grad_(False)
     assert prepack.pack_linear(linear)
     linear(torch.randn(3, 8, requires_grad=True).detach())
-    assert set(prepack._copies(linear)) == {"fwd"}
+    assert set(prepack._copies(linear)) == {"fwd", "bias"}
     twin = copy.deepcopy(linear)  # a copy computes with its own weight, not the original's copies
     with torch.no_grad():
         twin.weight.mul_(2)
@@ -206,12 +206,14 @@ def test_a_linear_layer_used_without_gradients_makes_only_the_forward_copy():
 @pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 arithmetic"
 )
-def test_a_bf16_linear_layer_under_autocast_takes_fp32_inputs_and_returns_fp32_gradients():
-    """Layer norm's output is fp32 under autocast; autocast casts it for PyTorch's linear, and so must this.
-    Relative error of the output and the input gradient against the plain bf16 layer: measured
-    ~3e-3, at bf16's rounding (2**-8 = 4e-3 per element)."""
+@pytest.mark.parametrize("weights", [torch.bfloat16, torch.float32])
+def test_a_linear_layer_under_bf16_autocast_computes_in_bf16_and_returns_fp32_gradients(weights):
+    """Layer norm's output is fp32 under autocast; autocast casts it (and an fp32 weight, as the text
+    encoder's) for PyTorch's linear, and so must this: bf16 copies, a bf16 output. Relative error of
+    the output and the input gradient against the plain layer under autocast: measured ~3e-3, at
+    bf16's rounding (2**-8 = 4e-3 per element)."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 96).to(torch.bfloat16).requires_grad_(False)
+    linear = torch.nn.Linear(64, 96).to(weights).requires_grad_(False)
     x = torch.randn(1, 33, 64, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = linear(x)
@@ -222,6 +224,10 @@ def test_a_bf16_linear_layer_under_autocast_takes_fp32_inputs_and_returns_fp32_g
     (got,) = torch.autograd.grad(y2.float().square().sum(), x)
     assert y2.dtype == torch.bfloat16 and got.dtype == torch.float32
     assert _rel(y2, y) < 1e-2 and _rel(got, expected) < 1e-2
+    assert prepack._copies(linear, torch.bfloat16)["fwd"].dtype == torch.bfloat16
+    with torch.no_grad():  # without autocast the same layer computes in its weights' dtype again
+        x32 = torch.randn(3, 64, dtype=weights)
+        torch.testing.assert_close(linear(x32), torch.nn.functional.linear(x32, linear.weight, linear.bias))
 
 
 def test_only_frozen_linear_layers_are_packed_and_plain_restores_them():
@@ -234,6 +240,7 @@ def test_only_frozen_linear_layers_are_packed_and_plain_restores_them():
     assert (
         prepack.linear_copy_bytes(net) == 2 * 4 * 24
         and prepack.linear_copy_bytes(net, backward=False) == 4 * 24
+        and prepack.linear_copy_bytes(net, dtype=torch.bfloat16) == 2 * 2 * 24
     )
     assert prepack.pack_linear(net[0]) and prepack.pack_conv(net[1])
     x = torch.randn(2, 4)
@@ -245,8 +252,8 @@ def test_only_frozen_linear_layers_are_packed_and_plain_restores_them():
 
 
 def test_the_placeholder_gets_the_same_gradient_through_prepacked_layers():
-    """The toy-world UNet with every convolution and linear layer prepacked gives the learned row the
-    gradient of the plain UNet, to 1e-5 (norm of the difference over the norm; measured 6e-7 with
+    """The toy-world UNet with every convolution and linear layer prepacked, and the text encoder's
+    linear layers, gives the learned row the gradient of the plain models, to 1e-5 (norm of the difference over the norm; measured 6e-7 with
     the convolutions alone: oneDNN sums in another order than PyTorch's call of it). Not the random tiny model: its text side
     amplifies such rounding of a near-zero gradient to percent level, prepacked or not."""
     base = models.load_components(models.TOYWORLD, load_vae=False)
@@ -273,11 +280,15 @@ def test_the_placeholder_gets_the_same_gradient_through_prepacked_layers():
         return learned.vectors.grad.clone()
 
     plain = gradient()
-    packed = prepack.pack_unet(base.unet, linears=True)
+    packed = prepack.pack_unet(base.unet, linears=True, text_encoder=base.text_encoder)
     assert packed.reason is None
     assert packed.convolutions == sum(map(prepack.packable, base.unet.modules())) > 0
-    assert packed.linears == sum(map(prepack.packable_linear, base.unet.modules())) > 0
+    in_text_encoder = sum(map(prepack.packable_linear, base.text_encoder.modules()))
+    assert packed.linears == sum(map(prepack.packable_linear, base.unet.modules())) + in_text_encoder
     got = gradient()
+    text_linears = [m for m in base.text_encoder.modules() if "forward" in m.__dict__]
+    assert len(text_linears) == in_text_encoder > 0  # and its gradient flowed through their copies:
+    assert all(set(prepack._copies(m)) == {"fwd", "bias", "bwd"} for m in text_linears)
     hook.remove()
     assert plain.norm() > 0
     assert (got - plain).norm() / plain.norm() < 1e-5
@@ -310,8 +321,10 @@ def test_a_run_prepacks_by_default_records_it_and_can_turn_it_off(tmp_path):
     record = packed.summary["startup"]["prepacked_convs"]
     assert record["reason"] is None and record["convolutions"] > 0 and record["linears"] > 0
     dtype = cpu.compute_dtype(cpu.choose_precision(tiny_config(tmp_path).mixed_precision).mixed_precision)
-    unet = models.load_components(models.TINY, load_vae=False, unet_dtype=dtype).unet.requires_grad_(False)
-    assert record["bytes"] == prepack.copy_bytes(unet) + prepack.linear_copy_bytes(unet)
+    parts = models.load_components(models.TINY, load_vae=False, unet_dtype=dtype)
+    unet, text_encoder = parts.unet.requires_grad_(False), parts.text_encoder.requires_grad_(False)
+    linears = prepack.linear_copy_bytes(unet) + prepack.linear_copy_bytes(text_encoder, dtype=dtype)
+    assert record["bytes"] == prepack.copy_bytes(unet) + linears
     assert (convs_only.summary["startup"]["prepacked_convs"]["linears"]) == 0
     assert "prepacked_convs" not in plain.summary["startup"]
     # the first step's loss is computed before any update: the two runs agree on it

@@ -48,7 +48,7 @@ from helpers import cpu
 
 # The copies may take at most this fraction of this process's share of the node's free memory.
 MEMORY_SHARE = 0.5
-# convolution or linear layer -> {weight dtype: {"fwd": copy, "bwd": copy}}. Outside the module, so that a deep copy of
+# convolution or linear layer -> {(weight dtype, compute dtype): {"fwd": copy, "bwd": copy, ...}}. Outside the module, so that a deep copy of
 # a packed module (whose oneDNN tensors cannot be copied) starts without copies and makes its own.
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -65,9 +65,11 @@ class _PackedConvFn(torch.autograd.Function):
         return _input_grad(ctx.conv, grad, ctx.input_shape), None
 
 
-def _copies(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The laid-out copies of ``module``'s current weight (by dtype: a module cast later gets new ones)."""
-    return _COPIES.setdefault(module, {}).setdefault(module.weight.dtype, {})
+def _copies(module: torch.nn.Module, compute: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The laid-out copies of ``module``'s current weight for computing in ``compute`` (default: the
+    weight's dtype). Keyed by both dtypes: a module cast later gets new copies."""
+    dtype = module.weight.dtype
+    return _COPIES.setdefault(module, {}).setdefault((dtype, compute or dtype), {})
 
 
 def _forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -114,13 +116,13 @@ def _packed_call(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 class _PackedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-        ctx.linear = linear
-        return _linear_forward(linear, x)
+    def forward(ctx, x: torch.Tensor, linear: torch.nn.Linear, dtype: torch.dtype) -> torch.Tensor:
+        ctx.linear, ctx.dtype = linear, dtype
+        return _linear_forward(linear, x, dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _linear_input_grad(ctx.linear, grad), None
+        return _linear_input_grad(ctx.linear, grad, ctx.dtype), None, None
 
 
 def _linear_pointwise(x: torch.Tensor, laid_out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -132,27 +134,35 @@ def _lay_out_linear(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows.numel() // rows.shape[-1])
 
 
-def _linear_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    x = x.to(linear.weight.dtype)  # under bf16 autocast the input may come from an fp32 op (layer norm)
-    state = _copies(linear)
+def _compute_dtype(linear: torch.nn.Linear) -> torch.dtype:
+    """What PyTorch's linear computes in here: autocast's dtype where it is on (an fp32 text encoder
+    under bf16 autocast computes in bf16), else the weight's."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else linear.weight.dtype
+
+
+def _linear_forward(linear: torch.nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    x = x.to(dtype)  # e.g. under bf16 autocast the input comes from an fp32 op (layer norm)
+    state = _copies(linear, dtype)
     if "fwd" not in state:
-        state["fwd"] = _lay_out_linear(linear.weight.detach(), x)
-    return _linear_pointwise(x, state["fwd"], linear.bias)
+        state["fwd"] = _lay_out_linear(linear.weight.detach().to(dtype), x)
+        state["bias"] = None if linear.bias is None else linear.bias.detach().to(dtype)
+    return _linear_pointwise(x, state["fwd"], state["bias"])
 
 
-def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor) -> torch.Tensor:
+def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``grad @ weight``, as a linear layer whose weight is the transpose, laid out once."""
-    grad = grad.to(linear.weight.dtype)
-    state = _copies(linear)
+    grad = grad.to(dtype)
+    state = _copies(linear, dtype)
     if "bwd" not in state:
-        state["bwd"] = _lay_out_linear(linear.weight.detach().t().contiguous(), grad)
+        state["bwd"] = _lay_out_linear(linear.weight.detach().t().to(dtype).contiguous(), grad)
     return _linear_pointwise(grad, state["bwd"], None)
 
 
 def _packed_linear_call(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    dtype = _compute_dtype(linear)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _PackedLinearFn.apply(x, linear)
-    return _linear_forward(linear, x)
+        return _PackedLinearFn.apply(x, linear, dtype)
+    return _linear_forward(linear, x, dtype)
 
 
 def packable_linear(linear: torch.nn.Module) -> bool:
@@ -277,9 +287,14 @@ def copy_bytes(module: torch.nn.Module, backward: bool = True) -> int:
     return total
 
 
-def linear_copy_bytes(module: torch.nn.Module, backward: bool = True) -> int:
-    """Bytes of the copies :func:`pack_linear` makes for ``module``'s packable linear layers."""
-    per_copy = sum(m.weight.numel() * m.weight.element_size() for m in module.modules() if packable_linear(m))
+def linear_copy_bytes(
+    module: torch.nn.Module, backward: bool = True, dtype: torch.dtype | None = None
+) -> int:
+    """Bytes of the copies :func:`pack_linear` makes for ``module``'s packable linear layers when they
+    compute in ``dtype`` (default: each weight's own)."""
+    per_copy = sum(
+        m.weight.numel() * (dtype or m.weight.dtype).itemsize for m in module.modules() if packable_linear(m)
+    )
     return per_copy * (2 if backward else 1)
 
 
@@ -289,15 +304,17 @@ def pack_unet(
     backward: bool = True,
     convs: bool = True,
     linears: bool = False,
+    text_encoder: torch.nn.Module | None = None,
 ) -> PackResult:
-    """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``)
-    where the copies fit.
+    """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``, with
+    those of ``text_encoder`` if given) where the copies fit.
 
     They fit when they take at most :data:`MEMORY_SHARE` of the memory available now, divided among
     the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
     The convolutions come first (their copies buy the most per byte); the linear layers are packed
-    only if their copies fit beside them. ``backward=False`` (a UNet that only generates) keeps the
-    forward's copies only, half the memory.
+    only if their copies fit beside them. The text encoder computes in the UNet's dtype (an fp32
+    text encoder under bf16 autocast beside a bf16 UNet), so its copies are made in it.
+    ``backward=False`` (a UNet that only generates) keeps the forward's copies only, half the memory.
     """
     if problem := unavailable():
         return PackResult(0, 0, problem)
@@ -308,13 +325,15 @@ def pack_unet(
     share = MEMORY_SHARE * available_bytes / cpu.local_processes()
     kinds = []
     if convs:
-        kinds.append(
-            ("convolution", "convs", copy_bytes(unet, backward), lambda m: pack_conv(m, backward=backward))
-        )
+        need = copy_bytes(unet, backward)
+        kinds.append(("convolution", "convs", need, [unet], lambda m: pack_conv(m, backward=backward)))
     if linears:
-        kinds.append(("linear", "linears", linear_copy_bytes(unet, backward), pack_linear))
+        models = [unet] if text_encoder is None else [unet, text_encoder]
+        dtype = next(unet.parameters()).dtype
+        need = sum(linear_copy_bytes(model, backward, dtype) for model in models)
+        kinds.append(("linear", "linears", need, models, pack_linear))
     counts, used, skipped = {}, 0, []
-    for kind, flag, need, pack in kinds:
+    for kind, flag, need, models, pack in kinds:
         if used + need > share:
             skipped.append(
                 f"{kind} weights not prepacked: the copies need {need / 2**30:.1f} GiB and this process's "
@@ -322,6 +341,6 @@ def pack_unet(
                 f"speed; --no-prepack_{flag} silences this)"
             )
             continue
-        counts[kind] = sum(pack(m) for m in unet.modules())
+        counts[kind] = sum(pack(m) for model in models for m in model.modules())
         used += need
     return PackResult(counts.get("convolution", 0), used, "; ".join(skipped) or None, counts.get("linear", 0))

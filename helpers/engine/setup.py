@@ -117,7 +117,9 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     if (
         config.prepack_convs or config.prepack_linears
     ) and not config.use_ipex:  # IPEX lays weights out its own way
-        packed = prepack.pack_unet(unet, convs=config.prepack_convs, linears=config.prepack_linears)
+        packed = prepack.pack_unet(
+            unet, convs=config.prepack_convs, linears=config.prepack_linears, text_encoder=text_encoder
+        )
         packed.log(logger, main_process_only=True)
         startup["prepacked_convs"] = dataclasses.asdict(packed)
     tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
