@@ -37,7 +37,7 @@ from torch.utils.flop_counter import (
 
 from helpers import cpu, data, models
 from helpers import textual_inversion as ti
-from helpers.engine import prepack
+from helpers.engine import attention, prepack
 from helpers.files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -460,18 +460,22 @@ class OursStep:
     def active(self) -> Iterator[None]:
         """Route the token embedding through the learned rows (the frozen matrix gets no gradient),
         with the UNet's convolutions and both models' linear layers prepacked as the engine has them
-        (``prepack_convs``, ``prepack_linears``). On exit the models are plain again (the reference
+        (``prepack_convs``, ``prepack_linears``) and its attention processor. On exit the models are plain again (the reference
         shares them); the packed copies are kept for next time."""
         parts = self.setup.parts
         self.hook = ti.EmbeddingHook(parts.text_encoder, self.learned)
         modules = [*parts.unet.modules(), *parts.text_encoder.modules()]
         packed = [m for m in modules if prepack.pack_conv(m) or prepack.pack_linear(m)]
+        processors = parts.unet.attn_processors
+        if processor := attention.processor_for(cpu.compute_dtype(self.setup.mixed_precision)):
+            parts.unet.set_attn_processor(processor)
         try:
             yield
         finally:
             self.hook.remove()
             for module in packed:
                 prepack.unpack(module, free=False)
+            parts.unet.set_attn_processor(processors)
 
     def __call__(self, step: int, timer: PhaseTimer | None = None) -> float:
         batch = self.setup.batch(step)

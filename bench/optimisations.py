@@ -6,11 +6,12 @@
 In-process options are switched on and off on the same modules, interleaved step by step with
 the engine's step without them (everything else as the engine has it, including
 ``helpers.cpu.keep_freed_memory``): ``channels_last``, the attention kernel (``attention_math``:
-SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbmm + softmax),
+SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbmm + softmax;
+``attention_by_size``: the engine's bf16 choice, classic for small score matrices, against SDPA),
 ``flush_denormal``, ``prepacked_convs`` (the engine's ``prepack_convs``, :mod:`helpers.engine.prepack`;
 ``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``prepacked_linears``
-(the engine's ``prepack_linears``), ``prepacked_text_encoder`` (the same for the text encoder's
-frozen linear layers, which the placeholder's gradient flows back through), ``fused_qkv`` (diffusers'
+(the engine's ``prepack_linears``), ``prepacked_text_encoder`` (the same flag's packing of the text
+encoder's frozen linear layers, which the placeholder's gradient flows back through), ``fused_qkv`` (diffusers'
 ``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
 separately). Process-level options run the real engine,
 ``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
@@ -38,7 +39,7 @@ import torch
 
 from bench import common
 from helpers import cpu
-from helpers.engine import prepack
+from helpers.engine import attention, prepack
 
 ALLOCATORS = {
     "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -90,6 +91,15 @@ def _attn_processor(kind: str) -> Callable[[common.OursStep], None]:
         from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
         step.setup.parts.unet.set_attn_processor(AttnProcessor() if kind == "classic" else AttnProcessor2_0())
+
+    return apply
+
+
+def _attention_by_size(on: bool) -> Callable[[common.OursStep], None]:
+    def apply(step: common.OursStep) -> None:
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        step.setup.parts.unet.set_attn_processor(attention.SizedAttnProcessor() if on else AttnProcessor2_0())
 
     return apply
 
@@ -160,6 +170,7 @@ IN_PROCESS = {
         Option("channels_last", _channels_last(True), _channels_last(False)),
         Option("attention_math", _math.on, _math.off),
         Option("attention_classic", _attn_processor("classic"), _attn_processor("sdpa")),
+        Option("attention_by_size", _attention_by_size(True), _attention_by_size(False), engine=True),
         Option("flush_denormal", _flush_denormal(True), _flush_denormal(False)),
         Option("prepacked_convs", _prepacked(True), _prepacked(False), engine=True),
         Option("prepacked_convs_forward", _prepacked(True, backward=False), _prepacked(False)),
@@ -175,7 +186,10 @@ IN_PROCESS = {
         Option("bf16_weights", _bf16_weights(True), _bf16_weights(False), engine=True),
     )
 }
-NEEDS_BF16 = {"bf16_weights"}  # options that only mean something under --mixed_precision bf16
+NEEDS_BF16 = {
+    "bf16_weights",
+    "attention_by_size",
+}  # options that only mean something under --mixed_precision bf16
 PROCESS_LEVEL = ("allocator", "omp_affinity", "gradient_checkpointing", "ipex")
 ALL = (*IN_PROCESS, "compile", *PROCESS_LEVEL)
 WORKSHOP_PYTHON = common.ROOT / ".venv" / "bin" / "python"  # the workshop's environment (torch 2.13)

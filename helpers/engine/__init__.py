@@ -4,8 +4,8 @@
 * :mod:`~helpers.engine.step`: data order, cached latents, keyed random draws, the loss, and
   :func:`~helpers.engine.step.training_step`, one optimisation step (the benchmarks time this same one).
 * :mod:`~helpers.engine.latents`: the persistent latent cache (a re-run does not load the VAE).
-* :mod:`~helpers.engine.prepack`: the frozen UNet's convolutions and linear layers with weights laid
-  out for oneDNN once, not in every step (``prepack_convs``, ``prepack_linears``).
+* :mod:`~helpers.engine.prepack`: the frozen UNet's convolutions and linear layers (and the text
+  encoder's linear layers) with weights laid out for oneDNN once, not in every step (``prepack_convs``, ``prepack_linears``).
 * :mod:`~helpers.engine.setup`: from settings to a :class:`~helpers.engine.setup.Run` ready to train.
 * :mod:`~helpers.engine.folder`: the state of an output folder (empty, finished, interrupted),
   read before any model loads; what ``--overwrite_output_dir`` removes.

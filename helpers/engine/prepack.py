@@ -29,9 +29,10 @@ it out afresh each time, which costs most where few rows meet a large weight (th
 levels of the UNet at 256 px). The forward's copy is the weight laid out by
 ``mkldnn._reorder_linear_weight``, the input gradient's is its transpose laid out the same way;
 both run through ``mkldnn._linear_pointwise`` (fp32 and bf16 alike: MKL's packed format would add
-about 8 MB to every copy). Per call on a Xeon with AMX it is 1.1-2.2x faster in bf16 and up to
-1.7x in fp32; the whole step's numbers are in the README (``bench.optimisations --only
-prepacked_linears``).
+about 8 MB to every copy). The text encoder's linear layers are packed too; under autocast a
+packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype. Per call
+on a Xeon with AMX it is 1.1-2.2x faster in bf16 and up to 1.7x in fp32; the whole step's numbers
+are in the README (``bench.optimisations --only prepacked_linears,prepacked_text_encoder``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from helpers import cpu, data, distributed, models, supervise
 from helpers.config import TrainConfig
-from helpers.engine import latents, prepack
+from helpers.engine import attention, latents, prepack
 from helpers.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
@@ -240,6 +240,8 @@ def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cp
     )
     for module in (text_encoder, unet):
         module.requires_grad_(False)
+    if processor := attention.processor_for(dtype):
+        unet.set_attn_processor(processor)
     text_encoder.train(config.gradient_checkpointing)
     unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode
     if config.gradient_checkpointing:
