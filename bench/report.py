@@ -32,6 +32,8 @@ OPTION_NOTES = {
     "channels_last": "UNet weights and activations in NHWC",
     "attention_math": "SDPA math backend instead of the CPU flash kernel",
     "attention_classic": "diffusers `AttnProcessor` (baddbmm + softmax) instead of SDPA",
+    "attention_by_size": "the classic processor up to 1024 x 1024 scores per head, SDPA above "
+    "(`helpers/engine/attention.py`), against SDPA everywhere",
     "flush_denormal": "`torch.set_flush_denormal(True)`",
     "prepacked_convs": "conv weights laid out for oneDNN once, forward and input gradient "
     "(`helpers/engine/prepack.py`); two more copies of them: +4.4 GiB fp32, +2.2 GiB bf16",

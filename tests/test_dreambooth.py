@@ -273,7 +273,7 @@ def test_class_pictures_use_the_forward_copy_of_prepacked_convolutions(tmp_path)
     assert packed and len(packed) == sum(prepack.packable(m) for m in pipe.unet.modules())
     assert all(m._pack_forward and not m._pack_backward for m in packed)
     class_images.draw_class_images(tiny_config(tmp_path), pipe, [0])
-    copies = [set(prepack._COPIES[m][torch.float32]) for m in packed]
+    copies = [set(prepack._copies(m)) for m in packed]
     assert copies == [{"fwd"}] * len(packed)  # made on first use; no input-gradient copy
     assert prepack.copy_bytes(pipe.unet, backward=False) == sum(m.weight.numel() * 4 for m in packed)
     assert not any(

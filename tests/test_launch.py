@@ -400,7 +400,7 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
     assert r["allreduce_bytes_per_step"] == num_vectors * hidden * 4
     assert r["full_matrix_allreduce_bytes_per_step"] >= 10_000 * r["allreduce_bytes_per_step"]
     # the scaling model's check against the guide's published run (tests/test_scaling.py has the numbers)
-    assert r["scaling_guide_seconds_per_step"] == pytest.approx({"model": 0.664, "published": 1.2}, abs=5e-4)
+    assert r["scaling_guide_seconds_per_step"] == pytest.approx({"model": 0.627, "published": 1.2}, abs=5e-4)
     assert r["images_per_second"] > 0
     assert r["images_per_second_per_process"] == pytest.approx(r["images_per_second"] / 2)
     assert r["preflight_problems"] == 0 and r["final_loss"] > 0

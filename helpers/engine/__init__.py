@@ -5,7 +5,10 @@
   :func:`~helpers.engine.step.training_step`, one optimisation step (the benchmarks time this same one).
 * :mod:`~helpers.engine.latents`: the persistent latent cache (a re-run does not load the VAE).
 * :mod:`~helpers.engine.prepack`: the frozen UNet's convolutions and linear layers (and the text
-  encoder's linear layers) with weights laid out for oneDNN once, not in every step (``prepack_convs``, ``prepack_linears``).
+  encoder's linear layers) with weights laid out for oneDNN once, not in every step
+  (``prepack_convs``, ``prepack_linears``).
+* :mod:`~helpers.engine.attention`: the bf16 UNet's attention kernel, chosen by the size of the
+  score matrix.
 * :mod:`~helpers.engine.setup`: from settings to a :class:`~helpers.engine.setup.Run` ready to train.
 * :mod:`~helpers.engine.folder`: the state of an output folder (empty, finished, interrupted),
   read before any model loads; what ``--overwrite_output_dir`` removes.
