@@ -460,8 +460,8 @@ class OursStep:
     def active(self) -> Iterator[None]:
         """Route the token embedding through the learned rows (the frozen matrix gets no gradient),
         with the UNet's convolutions and both models' linear layers prepacked as the engine has them
-        (``prepack_convs``, ``prepack_linears``) and its attention processor. On exit the models are plain again (the reference
-        shares them); the packed copies are kept for next time."""
+        (``prepack_convs``, ``prepack_linears``) and its attention processor. On exit the models are
+        plain again (the reference shares them); the packed copies are kept for next time."""
         parts = self.setup.parts
         self.hook = ti.EmbeddingHook(parts.text_encoder, self.learned)
         modules = [*parts.unet.modules(), *parts.text_encoder.modules()]

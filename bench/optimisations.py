@@ -10,9 +10,9 @@ SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbm
 ``attention_by_size``: the engine's bf16 choice, classic for small score matrices, against SDPA),
 ``flush_denormal``, ``prepacked_convs`` (the engine's ``prepack_convs``, :mod:`helpers.engine.prepack`;
 ``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``prepacked_linears``
-(the engine's ``prepack_linears``), ``prepacked_text_encoder`` (the same flag's packing of the text
-encoder's frozen linear layers, which the placeholder's gradient flows back through), ``fused_qkv`` (diffusers'
-``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
+(the engine's ``prepack_linears``), ``prepacked_text_encoder`` (the same flag's packing of the
+text encoder's frozen linear layers, which the placeholder's gradient flows back through),
+``fused_qkv`` (diffusers' ``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
 separately). Process-level options run the real engine,
 ``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
 (glibc's defaults, tcmalloc or jemalloc through ``LD_PRELOAD``, ``THP_MEM_ALLOC_ENABLE``),
@@ -186,10 +186,8 @@ IN_PROCESS = {
         Option("bf16_weights", _bf16_weights(True), _bf16_weights(False), engine=True),
     )
 }
-NEEDS_BF16 = {
-    "bf16_weights",
-    "attention_by_size",
-}  # options that only mean something under --mixed_precision bf16
+# options that only mean something under --mixed_precision bf16
+NEEDS_BF16 = {"bf16_weights", "attention_by_size"}
 PROCESS_LEVEL = ("allocator", "omp_affinity", "gradient_checkpointing", "ipex")
 ALL = (*IN_PROCESS, "compile", *PROCESS_LEVEL)
 WORKSHOP_PYTHON = common.ROOT / ".venv" / "bin" / "python"  # the workshop's environment (torch 2.13)

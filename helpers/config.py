@@ -257,8 +257,9 @@ class TrainConfig:
     prepack_convs: bool = _f(True, PREPACK_CONVS_HELP)
     prepack_linears: bool = _f(
         True,
-        "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of in every call: faster "
-        "steps for two more copies of those weights, skipped if memory is short (--no-prepack_linears: off)",
+        "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of "
+        "in every call: faster steps for two more copies of those weights, skipped if memory is short "
+        "(--no-prepack_linears: off)",
     )
     use_ipex: bool = _f(
         False, "optimise the UNet with Intel Extension for PyTorch (its environment: make setup-ipex)"

@@ -2,7 +2,7 @@
 
 diffusers runs attention through PyTorch's ``scaled_dot_product_attention`` (``AttnProcessor2_0``),
 which on CPU is a flash kernel: it never holds the whole score matrix, and in bf16 it computes far
-below the GEMM peak (23-27 % on the EPYC, 7 % on a Xeon with AMX). The classic processor
+below the GEMM peak (23-27 % on the EPYC, 7-10 % on a Xeon with AMX). The classic processor
 (``AttnProcessor``: ``baddbmm``, softmax, ``bmm``) holds the matrix and runs two plain bf16 GEMMs,
 which is faster where the matrix is small and slower where it is large. Forward and backward
 of one SD v1.5 attention layer at 256 px in bf16, on the 2-core EPYC (classic against flash):

@@ -49,8 +49,9 @@ from helpers import cpu
 
 # The copies may take at most this fraction of this process's share of the node's free memory.
 MEMORY_SHARE = 0.5
-# convolution or linear layer -> {(weight dtype, compute dtype): {"fwd": copy, "bwd": copy, ...}}. Outside the module, so that a deep copy of
-# a packed module (whose oneDNN tensors cannot be copied) starts without copies and makes its own.
+# convolution or linear layer -> {(weight dtype, compute dtype): {"fwd": copy, "bwd": copy, ...}}.
+# Outside the module, so that a deep copy of a packed module (whose oneDNN tensors cannot be
+# copied) starts without copies and makes its own.
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
