@@ -12,8 +12,8 @@ SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbm
 ``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``prepacked_linears``
 (the engine's ``prepack_linears``), ``prepacked_text_encoder`` (the same flag's packing of the
 text encoder's frozen linear layers, which the placeholder's gradient flows back through),
-``fused_qkv`` (diffusers' ``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the UNet; compile time reported
-separately). Process-level options run the real engine,
+``fused_qkv`` (diffusers' ``fuse_qkv_projections``) and ``compile`` (``torch.compile`` of the
+UNet; compile time reported separately). Process-level options run the real engine,
 ``train(config)``, in fresh child processes, alternating with the engine as it is: ``allocator``
 (glibc's defaults, tcmalloc or jemalloc through ``LD_PRELOAD``, ``THP_MEM_ALLOC_ENABLE``),
 ``omp_affinity`` (``OMP_PROC_BIND=close OMP_PLACES=cores``), ``gradient_checkpointing``
