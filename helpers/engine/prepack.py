@@ -101,7 +101,8 @@ def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Si
     state = _copies(conv)
     pad = [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
     if "bwd" not in state:
-        flipped = conv.weight.detach().transpose(0, 1).flip(2, 3).contiguous().to_mkldnn()
+        # flip first: flipping the transposed view would keep its strides and need one more copy
+        flipped = conv.weight.detach().flip(2, 3).transpose(0, 1).contiguous().to_mkldnn()
         state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
             flipped, pad, [1, 1], [1, 1], 1, list(grad.shape)
         )
