@@ -23,17 +23,24 @@ def _plain(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding)
 
 
+def _plain_then_packed(module, x, pack):
+    """Output and input gradient of ``module`` before and after ``pack(module)``, for one random
+    output gradient: ``(y, expected_grad, y2, got_grad)``."""
+    y = module(x)
+    grad = torch.randn_like(y)
+    (expected_grad,) = torch.autograd.grad(y, x, grad)
+    assert pack(module)
+    y2 = module(x)
+    (got_grad,) = torch.autograd.grad(y2, x, grad)
+    return y, expected_grad, y2, got_grad
+
+
 @pytest.mark.parametrize(("cin", "cout", "k", "stride"), SHAPES)
 def test_prepacked_convolution_matches_the_plain_one_forward_and_backward(cin, cout, k, stride):
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2).requires_grad_(False)
     x = torch.randn(2, cin, 12, 12, requires_grad=True)
-    y = conv(x)
-    grad = torch.randn_like(y)
-    (expected_grad,) = torch.autograd.grad(y, x, grad)
-    assert prepack.pack_conv(conv)
-    y2 = conv(x)
-    (got_grad,) = torch.autograd.grad(y2, x, grad)
+    y, expected_grad, y2, got_grad = _plain_then_packed(conv, x, prepack.pack_conv)
     torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5)
     # Laid out for a 2x12x12 input, the copies still serve another batch and size (validation
@@ -168,12 +175,7 @@ def test_prepacked_linear_matches_the_plain_one_forward_and_backward(bias):
     torch.manual_seed(0)
     linear = torch.nn.Linear(40, 24, bias=bias).requires_grad_(False)
     x = torch.randn(2, 7, 40, requires_grad=True)
-    y = linear(x)
-    grad = torch.randn_like(y)
-    (expected,) = torch.autograd.grad(y, x, grad)
-    assert prepack.pack_linear(linear)
-    y2 = linear(x)
-    (got,) = torch.autograd.grad(y2, x, grad)
+    y, expected, y2, got = _plain_then_packed(linear, x, prepack.pack_linear)
     assert y2.shape == y.shape
     torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
