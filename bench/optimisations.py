@@ -87,19 +87,13 @@ def _channels_last(on: bool) -> Callable[[common.OursStep], None]:
 
 
 def _attn_processor(kind: str) -> Callable[[common.OursStep], None]:
+    """Set the UNet's attention processor: "classic", "sdpa" or "sized" (the engine's bf16 choice)."""
+
     def apply(step: common.OursStep) -> None:
         from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-        step.setup.parts.unet.set_attn_processor(AttnProcessor() if kind == "classic" else AttnProcessor2_0())
-
-    return apply
-
-
-def _attention_by_size(on: bool) -> Callable[[common.OursStep], None]:
-    def apply(step: common.OursStep) -> None:
-        from diffusers.models.attention_processor import AttnProcessor2_0
-
-        step.setup.parts.unet.set_attn_processor(attention.SizedAttnProcessor() if on else AttnProcessor2_0())
+        make = {"classic": AttnProcessor, "sdpa": AttnProcessor2_0, "sized": attention.SizedAttnProcessor}
+        step.setup.parts.unet.set_attn_processor(make[kind]())
 
     return apply
 
@@ -170,7 +164,7 @@ IN_PROCESS = {
         Option("channels_last", _channels_last(True), _channels_last(False)),
         Option("attention_math", _math.on, _math.off),
         Option("attention_classic", _attn_processor("classic"), _attn_processor("sdpa")),
-        Option("attention_by_size", _attention_by_size(True), _attention_by_size(False), engine=True),
+        Option("attention_by_size", _attn_processor("sized"), _attn_processor("sdpa"), engine=True),
         Option("flush_denormal", _flush_denormal(True), _flush_denormal(False)),
         Option("prepacked_convs", _prepacked(True), _prepacked(False), engine=True),
         Option("prepacked_convs_forward", _prepacked(True, backward=False), _prepacked(False)),
