@@ -161,7 +161,8 @@ def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor, dtype: torch
     grad = grad.to(dtype)
     state = _copies(linear, dtype)
     if "bwd" not in state:
-        state["bwd"] = _lay_out_linear(linear.weight.detach().t().to(dtype).contiguous(), grad)
+        # cast before transposing: casting the transposed view would keep its strides, one copy more
+        state["bwd"] = _lay_out_linear(linear.weight.detach().to(dtype).t().contiguous(), grad)
     return _linear_pointwise(grad, state["bwd"], None)
 
 
