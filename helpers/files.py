@@ -239,3 +239,65 @@ def move_dir_into_place(src: str | os.PathLike, path: str | os.PathLike) -> Path
     if moved_aside:
         _discard(old)
     return path
+
+
+DIRECT_CHUNK = 64 << 20  # bytes per O_DIRECT write
+_DIRECT_ALIGN = 4096  # what O_DIRECT asks of a write's offset, length and buffer on common disks
+
+
+def copy_file_uncached(src: str | os.PathLike, dst: str | os.PathLike, chunk: int = DIRECT_CHUNK) -> bool:
+    """Copy ``src`` to ``dst`` (created or truncated) without filling the page cache with ``dst``.
+
+    For the gigabytes of model weights a run copies beside its steps. ``shutil.copyfile`` has the
+    kernel copy every byte into new page-cache pages, which takes a CPU and that much fresh memory
+    from the run: on a 2-vCPU VM, copying 3.4 GB took 1.6-3.5 s of system time and slowed the step
+    it overlapped by about 4 s. Here the file is written with ``O_DIRECT`` straight from a read-only
+    mapping of ``src`` (whose pages the run has usually loaded already): the disk reads them
+    itself, 0.3 s of system time for the same copy. The last partial block is written normally.
+
+    Where ``O_DIRECT`` is refused (tmpfs, some network filesystems, a platform without it), the
+    copy is ``shutil.copyfile``'s. Returns whether the direct path was taken. Errors (a full
+    disk) propagate; ``dst`` may then be partial, as with ``shutil.copyfile``.
+    """
+    src, dst = Path(src), Path(dst)
+    size = src.stat().st_size
+    if (
+        getattr(os, "O_DIRECT", None) is None
+        or size < _DIRECT_ALIGN
+        or not _copy_direct(src, dst, size, chunk)
+    ):
+        shutil.copyfile(src, dst)
+        return False
+    return True
+
+
+def _copy_direct(src: Path, dst: Path, size: int, chunk: int) -> bool:
+    """:func:`copy_file_uncached`'s copy; False (nothing copied) if the filesystem refuses ``O_DIRECT``."""
+    import mmap
+
+    try:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
+    except OSError as err:
+        if err.errno == errno.EINVAL:
+            return False
+        raise
+    with open(src, "rb") as source, mmap.mmap(source.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        with memoryview(mapped) as view:
+            done, aligned = 0, size - size % _DIRECT_ALIGN
+            try:
+                while done < aligned:
+                    with view[done : min(done + chunk, aligned)] as piece:  # released even on an error
+                        written = os.write(fd, piece)
+                    done += written
+            except OSError as err:
+                if err.errno != errno.EINVAL or done:
+                    raise
+                return False  # refused at the first write
+            finally:
+                os.close(fd)
+            if done < size:  # the last partial block, through the page cache
+                with open(dst, "r+b") as out:
+                    out.seek(done)
+                    with view[done:] as tail:
+                        out.write(tail)
+    return True

@@ -329,3 +329,110 @@ def test_folders_get_the_umask_mode_even_from_mkdtemp_and_mkstemp(tmp_path, umas
     assert mode(src) == 0o700
     assert mode(move_dir_into_place(src, tmp_path / "checkpoint-2")) == dir_mode
     assert mode(replace_dir_atomic(tmp_path / "cache", fill, keep_existing=True)) == dir_mode
+
+
+# --- copy_file_uncached: the pipeline's unchanged weights copied beside the steps -------------------
+
+
+def direct_io_here(folder: Path) -> bool:
+    """Whether ``folder``'s filesystem takes O_DIRECT (ext4 does; tmpfs does not)."""
+    probe = folder / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return hasattr(os, "O_DIRECT")
+
+
+def resident_fraction(path: Path) -> float:
+    """The fraction of ``path``'s pages in the page cache (``mincore`` on a private mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        pages = (len(mapped) + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(mapped)), vec) == 0
+        fraction = sum(v & 1 for v in vec) / pages
+        del address  # the exported buffer must go before the mapping closes
+    return fraction
+
+
+def random_file(path: Path, size: int) -> bytes:
+    data = os.urandom(size)
+    path.write_bytes(data)
+    return data
+
+
+@pytest.mark.parametrize("size", [0, 100, 4095, 4096, 4097, 5 * 8192, 5 * 8192 + 123])
+def test_copy_file_uncached_copies_every_byte(tmp_path, size):
+    data = random_file(tmp_path / "src", size)
+    (tmp_path / "dst").write_bytes(b"x" * (size + 10_000))  # an older, longer file: truncated
+    direct = files.copy_file_uncached(tmp_path / "src", tmp_path / "dst", chunk=8192)
+    assert (tmp_path / "dst").read_bytes() == data
+    assert direct == (direct_io_here(tmp_path) and size >= 4096)  # smaller files: copied normally
+
+
+def test_copy_file_uncached_leaves_the_copy_out_of_the_page_cache(tmp_path, umask):
+    if not direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    _, file_mode, _ = umask
+    data = random_file(tmp_path / "src", (4 << 20) + 123)
+    import shutil
+
+    shutil.copyfile(tmp_path / "src", tmp_path / "control")
+    assert resident_fraction(tmp_path / "control") == 1.0  # the measurement sees a cached copy
+    assert files.copy_file_uncached(tmp_path / "src", tmp_path / "dst")
+    assert resident_fraction(tmp_path / "dst") < 0.01  # the tail block at most
+    assert (tmp_path / "dst").read_bytes() == data
+    assert mode(tmp_path / "dst") == file_mode  # as open() would have made it
+
+
+@pytest.mark.parametrize("refused_at", ["open", "write"])
+def test_a_filesystem_that_refuses_o_direct_gets_a_normal_copy(tmp_path, monkeypatch, refused_at):
+    data = random_file(tmp_path / "src", 3 * 4096 + 5)
+    real_open, real_write, direct = os.open, os.write, getattr(os, "O_DIRECT", 0o40000)
+    monkeypatch.setattr(os, "O_DIRECT", direct, raising=False)
+    direct_fds = set()
+
+    def refusing_open(path, flags, *args):
+        if flags & direct and refused_at == "open":
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        fd = real_open(path, flags & ~direct, *args)
+        if flags & direct:
+            direct_fds.add(fd)
+        return fd
+
+    def refusing_write(fd, data):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(os, "write", refusing_write)
+    assert files.copy_file_uncached(tmp_path / "src", tmp_path / "dst") is False
+    assert (tmp_path / "dst").read_bytes() == data
+    assert bool(direct_fds) == (refused_at == "write")  # a refused open never got a descriptor
+
+
+def test_a_full_disk_during_a_direct_copy_is_raised(tmp_path, monkeypatch):
+    random_file(tmp_path / "src", 4 * 8192)
+    real_write, calls = os.write, []
+
+    def full_after_one_chunk(fd, data):
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_after_one_chunk)
+    if not direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    with pytest.raises(OSError, match="No space left on device"):
+        files.copy_file_uncached(tmp_path / "src", tmp_path / "dst", chunk=8192)
+    assert calls == [8192, 8192]

@@ -331,7 +331,7 @@ def test_a_failed_pipeline_copy_fails_the_run_and_leaves_no_pipeline(tmp_path, m
     def full_disk(src, dst):
         raise OSError(28, "No space left on device", str(dst))
 
-    monkeypatch.setattr(saving.shutil, "copyfile", full_disk)
+    monkeypatch.setattr(saving.files, "copy_file_uncached", full_disk)
     with pytest.raises(OSError, match="No space left on device"):
         ti.train(tiny_config(tmp_path, max_train_steps=2, save_as_full_pipeline=True))
     out = tmp_path / "run"

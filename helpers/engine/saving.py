@@ -101,13 +101,12 @@ class PipelineCopy:
     """The base model's UNet and VAE files copied into the pipeline's temporary folder while training runs.
 
     They make 3.6 of the 4.1 GB an SD v1.5 pipeline writes, and training never changes them. Copied
-    in a background thread (``shutil.copyfile``: the kernel copies, the GIL is free), the copy and
-    the disk's writes overlap the first steps instead of following the last one: the save after
-    the last step goes from 10 s to 1 s. The copy slows the step it overlaps (on 2 vCPUs the
-    kernel's copying takes a CPU from the step), so the whole command gains less: 2-6 s of 40-55 s
-    (``bench.end_to_end``, bf16, 30 steps, a Xeon with AMX, old and new code side by side).
-    Copying after the last step gained nothing; the thread at nice 19 gained less (it stretched
-    over more steps). Only parts the base holds as diffusers writes them (:data:`UNCHANGED_PARTS`)
+    in a background thread (the GIL is free while the kernel writes), the copy and the disk's writes
+    overlap the first steps instead of following the last one: the save after the last step goes
+    from 10 s to 1 s. Copied through the page cache (``shutil.copyfile``), the copy slowed the step
+    it overlapped by about 4 s on 2 vCPUs (the kernel's copying takes a CPU and fresh memory from
+    the step); :func:`helpers.files.copy_file_uncached` writes with ``O_DIRECT`` instead, which
+    leaves the step its CPUs (the measurements are in the README). Only parts the base holds as diffusers writes them (:data:`UNCHANGED_PARTS`)
     are copied, byte for byte; :func:`save_full_pipeline` saves the others.
     The thread never calls back into the run; :meth:`wait` re-raises its error (a full disk).
 
@@ -135,7 +134,7 @@ class PipelineCopy:
             for part in self.parts:
                 (self.folder / part).mkdir()
                 for name in UNCHANGED_PARTS[part]:
-                    shutil.copyfile(source / part / name, self.folder / part / name)
+                    files.copy_file_uncached(source / part / name, self.folder / part / name)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
 
