@@ -34,9 +34,11 @@ packed layer computes in autocast's dtype, as PyTorch's would, with copies in th
 on a Xeon with AMX it is 1.1-2.2x faster in bf16 and up to 1.7x in fp32; the whole step's numbers
 are in the README (``bench.optimisations --only prepacked_linears,prepacked_text_encoder``).
 
-The copies are made on first use, so the first step pays for them: about 6 s for the SD v1.5
-shape in fp32 on a 2-core EPYC (6.3 GiB; oneDNN reorders a 3x3 weight at about 1.2 GB/s), paid
-back after about 8 steps.
+The copies are made on first use, so the first step pays for them: 7-9 s for the SD v1.5 shape in
+fp32 on a 2-core EPYC VM (7 GiB of copies), paid back after about 8 steps. Most of that is the
+memory, not the reorders: in memory the process already holds, the same copies take about 2 s,
+but that VM hands out fresh pages at 1-4 GiB/s. The copies cannot be kept on disk for the next
+run: they are oneDNN tensors, whose storage PyTorch cannot save (``torch.save`` raises).
 """
 
 from __future__ import annotations
