@@ -35,10 +35,10 @@ on a Xeon with AMX it is 1.1-2.2x faster in bf16 and up to 1.7x in fp32; the who
 are in the README (``bench.optimisations --only prepacked_linears,prepacked_text_encoder``).
 
 The copies are made on first use, so the first step pays for them: 7-9 s for the SD v1.5 shape in
-fp32 on a 2-core EPYC VM (7 GiB of copies), paid back after about 8 steps. Most of that is the
-memory, not the reorders: in memory the process already holds, the same copies take about 2 s,
-but that VM hands out fresh pages at 1-4 GiB/s. The copies cannot be kept on disk for the next
-run: they are oneDNN tensors, whose storage PyTorch cannot save (``torch.save`` raises).
+fp32 on a 2-core EPYC VM (7 GiB of copies), paid back after about 8 steps (the same copies take
+about 2 s in memory a process already holds; on that VM new memory comes slowly, which explains
+part of the difference). The copies cannot be kept on disk for the next run: they are oneDNN
+tensors, whose storage PyTorch cannot save (``torch.save`` raises).
 """
 
 from __future__ import annotations
