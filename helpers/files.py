@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import secrets
 import shutil
@@ -273,8 +274,6 @@ def copy_file_uncached(src: str | os.PathLike, dst: str | os.PathLike, chunk: in
 
 def _copy_direct(src: Path, dst: Path, size: int, chunk: int) -> bool:
     """:func:`copy_file_uncached`'s copy; False (nothing copied) if the filesystem refuses ``O_DIRECT``."""
-    import mmap
-
     try:
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
     except OSError as err:

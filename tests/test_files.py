@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -358,9 +359,7 @@ def resident_fraction(path: Path) -> float:
         vec = (ctypes.c_ubyte * pages)()
         address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
         assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(mapped)), vec) == 0
-        fraction = sum(v & 1 for v in vec) / pages
-        del address  # the exported buffer must go before the mapping closes
-    return fraction
+        return sum(v & 1 for v in vec) / pages
 
 
 def random_file(path: Path, size: int) -> bytes:
@@ -383,8 +382,6 @@ def test_copy_file_uncached_leaves_the_copy_out_of_the_page_cache(tmp_path, umas
         pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
     _, file_mode, _ = umask
     data = random_file(tmp_path / "src", (4 << 20) + 123)
-    import shutil
-
     shutil.copyfile(tmp_path / "src", tmp_path / "control")
     assert resident_fraction(tmp_path / "control") == 1.0  # the measurement sees a cached copy
     assert files.copy_file_uncached(tmp_path / "src", tmp_path / "dst")
@@ -421,6 +418,8 @@ def test_a_filesystem_that_refuses_o_direct_gets_a_normal_copy(tmp_path, monkeyp
 
 
 def test_a_full_disk_during_a_direct_copy_is_raised(tmp_path, monkeypatch):
+    if not direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
     random_file(tmp_path / "src", 4 * 8192)
     real_write, calls = os.write, []
 
@@ -431,8 +430,6 @@ def test_a_full_disk_during_a_direct_copy_is_raised(tmp_path, monkeypatch):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", full_after_one_chunk)
-    if not direct_io_here(tmp_path):
-        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
     with pytest.raises(OSError, match="No space left on device"):
         files.copy_file_uncached(tmp_path / "src", tmp_path / "dst", chunk=8192)
     assert calls == [8192, 8192]

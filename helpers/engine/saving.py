@@ -106,8 +106,9 @@ class PipelineCopy:
     from 10 s to 1 s. Copied through the page cache (``shutil.copyfile``), the copy slowed the step
     it overlapped by about 4 s on 2 vCPUs (the kernel's copying takes a CPU and fresh memory from
     the step); :func:`helpers.files.copy_file_uncached` writes with ``O_DIRECT`` instead, which
-    leaves the step its CPUs (the measurements are in the README). Only parts the base holds as diffusers writes them (:data:`UNCHANGED_PARTS`)
-    are copied, byte for byte; :func:`save_full_pipeline` saves the others.
+    leaves the step its CPUs (the measurements are in the README). Only parts the base holds as
+    diffusers writes them (:data:`UNCHANGED_PARTS`) are copied, byte for byte;
+    :func:`save_full_pipeline` saves the others.
     The thread never calls back into the run; :meth:`wait` re-raises its error (a full disk).
 
     Args:
