@@ -103,10 +103,9 @@ class PipelineCopy:
     They make 3.6 of the 4.1 GB an SD v1.5 pipeline writes, and training never changes them. Copied
     in a background thread (the GIL is free while the kernel writes), the copy and the disk's writes
     overlap the first steps instead of following the last one: the save after the last step goes
-    from 10 s to 1 s. Copied through the page cache (``shutil.copyfile``), the copy slowed the step
-    it overlapped by about 4 s on 2 vCPUs (the kernel's copying takes a CPU and fresh memory from
-    the step); :func:`helpers.files.copy_file_uncached` writes with ``O_DIRECT`` instead, which
-    leaves the step its CPUs (the measurements are in the README). Only parts the base holds as
+    from 10 s to 1 s. The files are written by :func:`helpers.files.copy_file_uncached`, which
+    leaves the steps their CPUs and memory (its docstring says what a page-cache copy cost them;
+    the whole command's numbers are in the README). Only parts the base holds as
     diffusers writes them (:data:`UNCHANGED_PARTS`) are copied, byte for byte;
     :func:`save_full_pipeline` saves the others.
     The thread never calls back into the run; :meth:`wait` re-raises its error (a full disk).
