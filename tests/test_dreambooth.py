@@ -275,7 +275,7 @@ def test_class_pictures_use_the_forward_copy_of_prepacked_convolutions(tmp_path)
     class_images.draw_class_images(tiny_config(tmp_path), pipe, [0])
     copies = [set(prepack._copies(m)) for m in packed]
     assert copies == [{"fwd"}] * len(packed)  # made on first use; no input-gradient copy
-    assert prepack.copy_bytes(pipe.unet, backward=False) == sum(m.weight.numel() * 4 for m in packed)
+    assert prepack.copy_bytes(pipe.unet) == sum(m.weight.numel() * 4 for m in packed)
     assert not any(
         "_pack_forward" in m.__dict__
         for m in class_images.class_pipeline(models.resolve_model("tiny")).unet.modules()

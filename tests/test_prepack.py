@@ -20,7 +20,9 @@ SHAPES = [(16, 8, 3, 1), (16, 8, 1, 1), (8, 8, 3, 2), (4, 32, 3, 1)]  # cin, cou
 
 
 def _plain(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding)
+    """PyTorch's convolution with ``conv``'s weight as saved (a packed one may have freed its own)."""
+    weight = conv.state_dict()["weight"]
+    return torch.nn.functional.conv2d(x, weight, conv.bias, conv.stride, conv.padding)
 
 
 def _plain_then_packed(module, x, pack):
@@ -68,6 +70,43 @@ def test_a_deep_copy_of_a_packed_convolution_computes_with_its_own_weight():
     torch.testing.assert_close(conv(x), _plain(conv, x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_convolution_frees_its_dense_weight_once_both_copies_exist_and_state_dict_keeps_it():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1)
+    )
+    net.requires_grad_(False)
+    saved = {k: v.clone() for k, v in net.state_dict().items()}
+    assert all(prepack.pack_conv(conv) for conv in net)
+    x = torch.randn(1, 4, 8, 8, requires_grad=True)
+    with torch.no_grad():
+        net(x)  # the forward's copies alone: the weights stay
+    assert [conv.weight.numel() for conv in net] == [8 * 4 * 9, 8 * 8 * 9]
+    y = net(x)
+    (got,) = torch.autograd.grad(y.square().sum(), x)
+    # the strided one computes its input gradient from the dense weight, which therefore stays
+    assert [conv.weight.numel() for conv in net] == [0, 8 * 8 * 9]
+    state = net.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    plain = torch.nn.Sequential(
+        torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1)
+    )
+    plain.load_state_dict(saved)
+    (expected,) = torch.autograd.grad(plain(x).square().sum(), x)
+    torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    twin = copy.deepcopy(net[0])  # the weight it copies is the empty one, and the copies stay behind
+    with pytest.raises(RuntimeError, match=r"prepack\.restore\(module\) on the original"):
+        twin(x)
+    # cast after the release: the copies for the new dtype are made from the weight given back
+    net[0].double()
+    prepack._copies(net[0])
+    assert torch.equal(net[0].weight, saved["0.weight"].double()) and not net[0]._state_dict_hooks
+    prepack.unpack(net[1])
+    assert torch.equal(net[1].weight, saved["1.weight"])
+
+
 def test_under_bf16_autocast_it_takes_fp32_inputs_and_returns_fp32_gradients():
     """Group norm's output is fp32 under autocast; PyTorch's convolution casts it, and so must this."""
     torch.manual_seed(0)
@@ -101,7 +140,9 @@ def test_only_frozen_plain_convolutions_are_packed_and_the_copies_are_counted():
     trainable_bias.bias.requires_grad_(True)
     assert [prepack.packable(m) for m in net] == [True, True, False, False]
     assert not prepack.pack_conv(trainable) and not prepack.pack_conv(trainable_bias)
-    assert prepack.copy_bytes(net) == 4 * (2 * 8 * 4 * 9 + 8 * 8 * 9)
+    assert prepack.copy_bytes(net) == 4 * (
+        8 * 4 * 9 + 8 * 8 * 9
+    )  # one weight each: two copies less the dense one
 
 
 def test_plain_runs_pytorchs_own_convolutions_for_a_while_and_keeps_the_copies():
@@ -125,7 +166,7 @@ def test_pack_unet_packs_what_fits_convolutions_first(monkeypatch):
         False
     )
     convs, linears = prepack.copy_bytes(net), prepack.linear_copy_bytes(net)
-    assert (convs, linears) == (2 * 4 * 8 * 4 * 9, 2 * 4 * 8 * 8)
+    assert (convs, linears) == (4 * 8 * 4 * 9, 4 * 8 * 8)  # one weight each: two copies less the dense one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes share the node's memory
 
     def available(n: int) -> int:  # the node's free memory that gives this process a share of n bytes
@@ -174,23 +215,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_prepacked_linear_matches_the_plain_one_forward_and_backward(bias):
     torch.manual_seed(0)
     linear = torch.nn.Linear(40, 24, bias=bias).requires_grad_(False)
+    weight = linear.weight.clone()
     x = torch.randn(2, 7, 40, requires_grad=True)
     y, expected, y2, got = _plain_then_packed(linear, x, prepack.pack_linear)
     assert y2.shape == y.shape
     torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert set(prepack._copies(linear)) == {"fwd", "bias", "bwd"}
+    # with both copies made, the dense weight is freed; state_dict() still holds it, bit for bit
+    assert linear.weight.shape == (0,) and torch.equal(linear.state_dict()["weight"], weight)
     # Laid out for 14 rows, the copies serve other row counts, without gradients and with a
     # non-contiguous input and gradient (a transposed view, as attention hands over).
     x3 = torch.randn(40, 5, 3).transpose(0, 2)
     with torch.no_grad():
-        torch.testing.assert_close(linear(x3), torch.nn.functional.linear(x3, linear.weight, linear.bias))
+        torch.testing.assert_close(linear(x3), torch.nn.functional.linear(x3, weight, linear.bias))
     x4 = x3.clone().requires_grad_(True)
     g4 = torch.randn(24, 5, 3).transpose(0, 2)
     (got4,) = torch.autograd.grad(linear(x4), x4, g4)
-    torch.testing.assert_close(got4, g4 @ linear.weight, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got4, g4 @ weight, rtol=1e-5, atol=1e-5)
     prepack.unpack(linear)
     assert "forward" not in linear.__dict__ and linear not in prepack._COPIES
+    assert torch.equal(linear.weight, weight) and not linear._state_dict_hooks  # given back, unhooked
 
 
 def test_a_linear_layer_used_without_gradients_makes_only_the_forward_copy():
@@ -227,9 +272,12 @@ def test_a_linear_layer_under_bf16_autocast_computes_in_bf16_and_returns_fp32_gr
     assert y2.dtype == torch.bfloat16 and got.dtype == torch.float32
     assert _rel(y2, y) < 1e-2 and _rel(got, expected) < 1e-2
     assert prepack._copies(linear, torch.bfloat16)["fwd"].dtype == torch.bfloat16
+    # bf16 copies replace a bf16 weight; an fp32 weight holds more than they do, and stays
+    assert linear.weight.numel() == (0 if weights == torch.bfloat16 else 96 * 64)
     with torch.no_grad():  # without autocast the same layer computes in its weights' dtype again
         x32 = torch.randn(3, 64, dtype=weights)
-        torch.testing.assert_close(linear(x32), torch.nn.functional.linear(x32, linear.weight, linear.bias))
+        weight = linear.state_dict()["weight"]
+        torch.testing.assert_close(linear(x32), torch.nn.functional.linear(x32, weight, linear.bias))
 
 
 def test_only_frozen_linear_layers_are_packed_and_plain_restores_them():
@@ -240,7 +288,7 @@ def test_only_frozen_linear_layers_are_packed_and_plain_restores_them():
     assert not prepack.packable_linear(torch.nn.Conv2d(4, 4, 1).requires_grad_(False))
     net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Conv2d(6, 6, 1)).requires_grad_(False)
     assert (
-        prepack.linear_copy_bytes(net) == 2 * 4 * 24
+        prepack.linear_copy_bytes(net) == 4 * 24  # two copies less the dense weight
         and prepack.linear_copy_bytes(net, backward=False) == 4 * 24
         and prepack.linear_copy_bytes(net, dtype=torch.bfloat16) == 2 * 2 * 24
     )

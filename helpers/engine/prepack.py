@@ -9,8 +9,14 @@ inside a small autograd function, so the gradient still reaches the placeholder 
 
 Measured on the SD v1.5 shape at 256 px (``bench.optimisations --only prepacked_convs``): the step
 1.14x faster in fp32 and 1.16x in bf16, for two more copies of the convolution weights (about
-2.2 GiB each in fp32 and 1.1 GiB each in bf16). One direction's copy alone buys 1.00-1.06x. The
-dense weights stay (checkpoints, ``state_dict``, the strided downsamplers' input gradient).
+2.2 GiB each in fp32 and 1.1 GiB each in bf16). One direction's copy alone buys 1.00-1.06x.
+
+Once a layer has both copies, its dense weight is freed (:func:`_release`): the copies then add one
+weight's worth, not two, and the first step has less new memory to fault in. ``state_dict()`` still
+gives the dense weight (rebuilt from the forward's copy, bit for bit), :func:`restore`,
+:func:`unpack` and :func:`plain` give it back, and a layer cast to another dtype gets it back
+before new copies are made. The strided downsamplers keep theirs (their input gradient takes
+PyTorch's path), and so does a linear layer whose copies are in a narrower dtype than its weight.
 
 With a laid-out weight, oneDNN's op takes and returns channels-last activations (it copies any
 other input into that layout). So the packed UNet's activations, and the gradients flowing back
@@ -59,6 +65,8 @@ MEMORY_SHARE = 0.5
 # Outside the module, so that a deep copy of a packed module (whose oneDNN tensors cannot be
 # copied) starts without copies and makes its own.
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# layer whose dense weight _release freed -> (its forward's copy, the hook that puts it in state_dict()).
+_RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _PackedConvFn(torch.autograd.Function):
@@ -75,9 +83,47 @@ class _PackedConvFn(torch.autograd.Function):
 
 def _copies(module: torch.nn.Module, compute: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The laid-out copies of ``module``'s current weight for computing in ``compute`` (default: the
-    weight's dtype). Keyed by both dtypes: a module cast later gets new copies."""
+    weight's dtype). Keyed by both dtypes: a module cast later gets new copies (from its dense
+    weight, given back first if :func:`_release` freed it)."""
     dtype = module.weight.dtype
-    return _COPIES.setdefault(module, {}).setdefault((dtype, compute or dtype), {})
+    state = _COPIES.setdefault(module, {}).setdefault((dtype, compute or dtype), {})
+    if "fwd" not in state and module.weight.numel() == 0:
+        restore(module)
+    return state
+
+
+def _release(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Free ``module``'s dense weight: from now on it computes with the copies in ``state`` alone.
+
+    Called once the input gradient's copy exists beside the forward's. The weight becomes an empty
+    tensor of its dtype (a layer of the SD v1.5 UNet frees up to 59 MB in fp32); ``state_dict()``
+    still holds the dense values (rebuilt from the forward's copy, bit for bit), and
+    :func:`restore` gives the module its weight back.
+    """
+    if "fwd" not in state:
+        return
+    module.weight.data = module.weight.data.new_empty(0)
+    _RELEASED[module] = (state["fwd"], module.register_state_dict_post_hook(_dense_in_state_dict))
+
+
+def _dense_in_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, _metadata) -> None:
+    if prefix + "weight" in state_dict:
+        state_dict[prefix + "weight"] = _RELEASED[module][0].to_dense()
+
+
+def restore(module: torch.nn.Module) -> None:
+    """Give ``module`` back the dense weight :func:`_release` freed (a no-op if it has it): rebuilt
+    from the forward's copy, bit for bit, and cast to the weight's current dtype."""
+    if module in _RELEASED:
+        laid_out, hook = _RELEASED.pop(module)
+        hook.remove()
+        module.weight.data = laid_out.to_dense().to(module.weight.dtype)
+    elif module.weight.numel() == 0:
+        raise RuntimeError(
+            f"{type(module).__name__}: its dense weight was freed once its prepacked copies existed, and "
+            "this module has none (a deep copy?). Fix: call helpers.engine.prepack.restore(module) on the "
+            "original before copying it."
+        )
 
 
 def _forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +158,7 @@ def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Si
         state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
             flipped, pad, [1, 1], [1, 1], 1, list(grad.shape)
         )
+        _release(conv, state)
     return torch.ops.mkldnn._convolution_pointwise(
         grad, state["bwd"], None, pad, [1, 1], [1, 1], 1, "none", [], ""
     )
@@ -165,6 +212,8 @@ def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor, dtype: torch
     if "bwd" not in state:
         # cast before transposing: casting the transposed view would keep its strides, one copy more
         state["bwd"] = _lay_out_linear(linear.weight.detach().to(dtype).t().contiguous(), grad)
+        if linear.weight.dtype == dtype:  # else the dense weight holds more than the copies
+            _release(linear, state)
     return _linear_pointwise(grad, state["bwd"], None)
 
 
@@ -220,8 +269,10 @@ def pack_conv(conv: torch.nn.Conv2d, forward: bool = True, backward: bool = True
 
 
 def unpack(module: torch.nn.Module, free: bool = True) -> None:
-    """Undo :func:`pack_conv` or :func:`pack_linear`; ``free=False`` keeps the copies for the next pack."""
+    """Undo :func:`pack_conv` or :func:`pack_linear` (the dense weight given back if it was freed);
+    ``free=False`` keeps the copies for the next pack."""
     module.__dict__.pop("forward", None)
+    restore(module)
     if free:
         _COPIES.pop(module, None)
 
@@ -234,7 +285,8 @@ def _packed_by(module: torch.nn.Module):
 @contextmanager
 def plain(model: torch.nn.Module) -> Iterator[None]:
     """PyTorch's own convolutions and linear layers in ``model`` for a while (e.g. to time a program
-    that does not prepack); the packed ones are packed again afterwards, their copies kept."""
+    that does not prepack); the packed ones are packed again afterwards, their copies kept and their
+    dense weights given back (:func:`restore`)."""
     packed = [m for m in model.modules() if _packed_by(m) in (_packed_call, _packed_linear_call)]
     calls = [_packed_by(m) for m in packed]
     for module in packed:
@@ -286,26 +338,28 @@ class PackResult:
         (logger.warning if self.reason else logger.info)(self.describe(), **kwargs)
 
 
-def copy_bytes(module: torch.nn.Module, backward: bool = True) -> int:
-    """Bytes of the copies :func:`pack_conv` makes for ``module``'s packable convolutions
-    (``backward=False``: the forward's only)."""
-    total = 0
-    for conv in module.modules():
-        if packable(conv):
-            copies = 2 if backward and conv.stride == (1, 1) else 1
-            total += copies * conv.weight.numel() * conv.weight.element_size()
-    return total
+def copy_bytes(module: torch.nn.Module) -> int:
+    """Bytes the copies :func:`pack_conv` makes for ``module``'s packable convolutions add to memory:
+    one weight's worth per convolution, with or without a backward (two copies less the dense weight
+    they free; the forward's copy alone for the strided ones, or without a backward)."""
+    return sum(
+        conv.weight.numel() * conv.weight.element_size() for conv in module.modules() if packable(conv)
+    )
 
 
 def linear_copy_bytes(
     module: torch.nn.Module, backward: bool = True, dtype: torch.dtype | None = None
 ) -> int:
-    """Bytes of the copies :func:`pack_linear` makes for ``module``'s packable linear layers when they
-    compute in ``dtype`` (default: each weight's own)."""
-    per_copy = sum(
-        m.weight.numel() * (dtype or m.weight.dtype).itemsize for m in module.modules() if packable_linear(m)
-    )
-    return per_copy * (2 if backward else 1)
+    """Bytes the copies :func:`pack_linear` makes for ``module``'s packable linear layers add to memory
+    when they compute in ``dtype`` (default: each weight's own): one copy per layer, or two where a
+    backward runs in a dtype other than the weight's (the dense weight then stays)."""
+    total = 0
+    for m in module.modules():
+        if packable_linear(m):
+            compute = dtype or m.weight.dtype
+            copies = 2 if backward and compute != m.weight.dtype else 1
+            total += copies * m.weight.numel() * compute.itemsize
+    return total
 
 
 def pack_unet(
@@ -335,7 +389,7 @@ def pack_unet(
     share = MEMORY_SHARE * available_bytes / cpu.local_processes()
     kinds = []
     if convs:
-        need = copy_bytes(unet, backward)
+        need = copy_bytes(unet)
         kinds.append(("convolution", "convs", need, [unet], lambda m: pack_conv(m, backward=backward)))
     if linears:
         models = [unet] if text_encoder is None else [unet, text_encoder]
