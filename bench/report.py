@@ -36,9 +36,11 @@ OPTION_NOTES = {
     "(`helpers/engine/attention.py`), against SDPA everywhere",
     "flush_denormal": "`torch.set_flush_denormal(True)`",
     "prepacked_convs": "conv weights laid out for oneDNN once, forward and input gradient "
-    "(`helpers/engine/prepack.py`); two more copies of them: +4.4 GiB fp32, +2.2 GiB bf16",
+    "(`helpers/engine/prepack.py`); two copies of them, which replace the dense weights: +2.2 GiB fp32, "
+    "+1.1 GiB bf16",
     "prepacked_linears": "linear-layer weights laid out for oneDNN once, forward and input gradient "
-    "(`helpers/engine/prepack.py`); two more copies of them: +2.0 GiB fp32, +1.0 GiB bf16",
+    "(`helpers/engine/prepack.py`); two copies of them, which replace the dense weights: +1.0 GiB fp32, "
+    "+0.5 GiB bf16",
     "prepacked_text_encoder": "the text encoder's frozen linear layers laid out once too (its bf16 "
     "runs compute on bf16 copies of its fp32 weights instead of autocast casting them every step)",
     "prepacked_convs_forward": "the forward's copy only (half the memory), against no copies",

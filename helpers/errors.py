@@ -8,11 +8,12 @@ line that names the input and says the fix. Every ``python -m helpers.<x>`` entr
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -126,3 +127,22 @@ def run_cli(
         sys.stderr.write(f"error: {one_line(err)}\n")
         return 2
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def exit_with(cli: Callable[[], int]) -> NoReturn:
+    """``raise SystemExit(cli())`` for a ``python -m`` command that loads models, minus the cycle
+    collector's passes over objects that live until the process ends.
+
+    Python's full collections walk every object it tracks, and the modules torch, diffusers and
+    transformers import make that 0.3 s per pass. Measured on the guides' command (2-core EPYC,
+    Python 3.11): three such passes while the models load and several more in the interpreter's exit,
+    about 1.7 s in all; the exit alone 1.6-1.7 s, against 0.5 s with the objects frozen.
+    :func:`gc.freeze` takes the objects alive now out of every later collection: once before the
+    command (what the imports made) and once after it (the models, just before the exit). Later
+    objects are collected as usual, and objects are still freed when their last reference goes.
+    Only for a process's ``__main__``: frozen objects are never searched for cycles again.
+    """
+    gc.freeze()
+    code = cli()
+    gc.freeze()
+    raise SystemExit(code)

@@ -12,7 +12,7 @@ import logging
 
 from helpers import faults, supervise
 from helpers.config import TrainConfig, parse_args
-from helpers.errors import run_cli
+from helpers.errors import exit_with, run_cli
 from helpers.models import HubUnavailableError
 from helpers.textual_inversion import TrainResult, train
 
@@ -36,4 +36,4 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli())
+    exit_with(cli)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -168,3 +171,25 @@ def test_config_errors_are_input_errors():
     from helpers.config import ConfigError
 
     assert issubclass(ConfigError, InputError)
+
+
+def test_exit_with_freezes_what_lives_before_and_after_the_command_and_keeps_its_exit_code(tmp_path):
+    """In a process of its own (frozen objects are never searched for cycles again): the objects
+    alive before the command and those it leaves behind are out of the collector's generations
+    (``gc.get_objects()``), one made afterwards is in them, and the process ends with its code."""
+    script = tmp_path / "command.py"
+    script.write_text(
+        "import atexit, gc\n"
+        "from helpers.errors import exit_with\n"
+        "seen = {}\n"
+        "def tracked(obj): return any(o is obj for o in gc.get_objects())\n"
+        "def cli():\n"
+        "    seen['before'] = tracked(exit_with)\n"
+        "    seen['made'] = [[1]]\n"
+        "    return 3\n"
+        "atexit.register(lambda: print(seen['before'], tracked(seen['made']), tracked([[2]])))\n"
+        "exit_with(cli)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert (done.returncode, done.stdout.split(), done.stderr) == (3, ["False", "False", "True"], "")

@@ -1,6 +1,7 @@
 """``python -m helpers.dreambooth``: DreamBooth-LoRA training (see :mod:`helpers.dreambooth.command`)."""
 
 from helpers.dreambooth.command import cli
+from helpers.errors import exit_with
 
 if __name__ == "__main__":
-    raise SystemExit(cli())
+    exit_with(cli)

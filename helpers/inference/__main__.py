@@ -1,5 +1,6 @@
 """``python -m helpers.inference``: see :mod:`helpers.inference.command`."""
 
+from helpers.errors import exit_with
 from helpers.inference.command import cli
 
-raise SystemExit(cli())
+exit_with(cli)
