@@ -84,7 +84,6 @@ def reference(argv: list[str]) -> dict[str, Any]:
     Writes ``learned_embeds.safetensors``, the full pipeline (with ``--save_as_full_pipeline``) and
     :data:`HISTORY` (seconds to the first step from the process's start, each step's seconds).
     """
-    import psutil
     import safetensors.torch
     from diffusers import StableDiffusionPipeline
     from tqdm.auto import tqdm
@@ -112,7 +111,7 @@ def reference(argv: list[str]) -> dict[str, Any]:
         config.train_batch_size * config.gradient_accumulation_steps if config.scale_lr else 1
     )
     step = common.ReferenceStep(setup, learning_rate=lr)
-    to_first = time.time() - psutil.Process().create_time()
+    to_first = cpu.process_age()
     seconds = []
     with step.active():
         for i in tqdm(range(config.max_train_steps), desc="Steps"):

@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import platform
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -174,6 +175,25 @@ def set_threads(num_threads: int | None = None) -> int:
             num_threads = max(1, physical_cores() // local_processes())
     torch.set_num_threads(num_threads)
     return num_threads
+
+
+def process_age() -> float:
+    """Seconds since this process started, to about 10 ms.
+
+    ``time.time() - psutil.Process().create_time()`` can be up to a second long: psutil adds the
+    start time to a boot time that ``/proc/stat`` gives in whole seconds (on one VM a command that
+    ran 6.4 s in all seemed to reach its first step after 6.9 s). On Linux both ends are read on the
+    kernel's boot-time clock instead: the start in ``/proc/self/stat`` (clock ticks) and
+    ``CLOCK_BOOTTIME``. Elsewhere, psutil's reading.
+    """
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # after "pid (name)"
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc, or no CLOCK_BOOTTIME
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
 
 
 # glibc's mallopt parameters (malloc.h)

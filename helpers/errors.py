@@ -134,9 +134,9 @@ def exit_with(cli: Callable[[], int]) -> NoReturn:
     collector's passes over objects that live until the process ends.
 
     Python's full collections walk every object it tracks, and the modules torch, diffusers and
-    transformers import make that 0.3 s per pass. Measured on the guides' command (2-core EPYC,
-    Python 3.11): three such passes while the models load and several more in the interpreter's exit,
-    about 1.7 s in all; the exit alone 1.6-1.7 s, against 0.5 s with the objects frozen.
+    transformers import make that up to 0.3 s per pass. Measured on the guides' command (2-core
+    EPYC, Python 3.11): while the models load, three passes took 0.75 s (0.24 s with the objects
+    frozen), and the interpreter's exit took 1.6-1.7 s (0.5 s with them frozen).
     :func:`gc.freeze` takes the objects alive now out of every later collection: once before the
     command (what the imports made) and once after it (the models, just before the exit). Later
     objects are collected as usual, and objects are still freed when their last reference goes.

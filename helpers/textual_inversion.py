@@ -271,11 +271,9 @@ def record_startup(run: Run, called: float) -> None:
         run: the run, about to take its first step.
         called: ``time.perf_counter()`` when :func:`train` was called.
     """
-    import psutil
-
     run.startup["seconds_to_first_step"] = time.perf_counter() - called
     # the whole process: interpreter start, imports, then train()
-    run.startup["process_seconds_to_first_step"] = time.time() - psutil.Process().create_time()
+    run.startup["process_seconds_to_first_step"] = cpu.process_age()
     logger.info(f"start-up took {run.startup['seconds_to_first_step']:.1f} s", main_process_only=True)
 
 

@@ -225,6 +225,25 @@ def test_keep_freed_memory_stops_refaulting_big_blocks():
     assert outside > 5.9 * block_pages and inside < 1.5 * block_pages
 
 
+def test_process_age_counts_from_the_process_start_within_what_its_parent_saw():
+    """A child's age read just after it starts lies between 0 and the parent's time from just before
+    starting it to just after it ended; psutil's create_time() can put it up to a second earlier
+    (seen in CI: 6.9 s to a first step in a command that took 6.4 s in all). A second reading after
+    a 0.3 s sleep is at least that much later."""
+    import subprocess
+    import sys
+    import time
+
+    code = "import time; from helpers import cpu; a = cpu.process_age(); time.sleep(0.3); print(a, cpu.process_age())"
+    before = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    elapsed = time.monotonic() - before
+    first, second = map(float, done.stdout.split())
+    assert 0 < first and first + 0.3 <= second < elapsed
+
+
 def test_report_replaces_only_the_marked_block():
     readme = f"# Title\nintro\n{report.BEGIN}\nold table\n{report.END}\noutro\n"
     assert (

@@ -106,7 +106,10 @@ def save_lora_weights(folder: str | os.PathLike, unet, text_encoder=None) -> Pat
     for name, model in (("unet", unet), ("text_encoder", text_encoder)):
         if model is None or not lora_parameters(model):
             continue
-        state = get_peft_model_state_dict(model, save_embedding_layers=False)  # no embeddings are adapted
+        # The parameters, not state_dict(): that would rebuild every prepacked layer's freed dense
+        # weight (helpers.engine.prepack) only for peft to drop it. No embeddings are adapted.
+        params = dict(model.named_parameters())
+        state = get_peft_model_state_dict(model, state_dict=params, save_embedding_layers=False)
         state = {k: v.detach().float().contiguous() for k, v in state.items()}
         layers[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(state)
         metadata[f"{name}_lora_adapter_metadata"] = model.peft_config["default"].to_dict()
