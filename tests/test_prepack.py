@@ -140,9 +140,8 @@ def test_only_frozen_plain_convolutions_are_packed_and_the_copies_are_counted():
     trainable_bias.bias.requires_grad_(True)
     assert [prepack.packable(m) for m in net] == [True, True, False, False]
     assert not prepack.pack_conv(trainable) and not prepack.pack_conv(trainable_bias)
-    assert prepack.copy_bytes(net) == 4 * (
-        8 * 4 * 9 + 8 * 8 * 9
-    )  # one weight each: two copies less the dense one
+    # one weight each: two copies less the dense weight (stride 1), the forward's alone (stride 2)
+    assert prepack.copy_bytes(net) == 4 * (8 * 4 * 9 + 8 * 8 * 9)
 
 
 def test_plain_runs_pytorchs_own_convolutions_for_a_while_and_keeps_the_copies():
