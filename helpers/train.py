@@ -8,6 +8,11 @@ Bad input (settings, images, the output folder, a checkpoint, a run that diverge
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":
+    gc.disable()  # while the imports below run; exit_with turns it back on (see its docstring)
+
 import logging
 
 from helpers import faults, supervise

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import errno
+import gc
+import importlib.util
 import os
 import subprocess
 import sys
@@ -174,22 +177,47 @@ def test_config_errors_are_input_errors():
 
 
 def test_exit_with_freezes_what_lives_before_and_after_the_command_and_keeps_its_exit_code(tmp_path):
-    """In a process of its own (frozen objects are never searched for cycles again): the objects
-    alive before the command and those it leaves behind are out of the collector's generations
-    (``gc.get_objects()``), one made afterwards is in them, and the process ends with its code."""
+    """In a process of its own (frozen objects are never searched for cycles again), started as a
+    command module is (the collector off during its imports): the command runs with the collector
+    on, the objects alive before it and those it leaves behind are out of the collector's
+    generations (``gc.get_objects()``), one made afterwards is in them, and the process ends with
+    the command's code."""
     script = tmp_path / "command.py"
     script.write_text(
         "import atexit, gc\n"
+        "gc.disable()\n"
         "from helpers.errors import exit_with\n"
         "seen = {}\n"
         "def tracked(obj): return any(o is obj for o in gc.get_objects())\n"
         "def cli():\n"
+        "    seen['on'] = gc.isenabled()\n"
         "    seen['before'] = tracked(exit_with)\n"
         "    seen['made'] = [[1]]\n"
         "    return 3\n"
-        "atexit.register(lambda: print(seen['before'], tracked(seen['made']), tracked([[2]])))\n"
+        "atexit.register(lambda: print(seen['on'], seen['before'], tracked(seen['made']), tracked([[2]])))\n"
         "exit_with(cli)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
-    assert (done.returncode, done.stdout.split(), done.stderr) == (3, ["False", "False", "True"], "")
+    assert (done.returncode, done.stdout.split(), done.stderr) == (3, ["True", "False", "False", "True"], "")
+
+
+@pytest.mark.parametrize("module", ["helpers.train", "helpers.dreambooth", "helpers.inference"])
+def test_command_modules_import_with_the_collector_off_and_only_when_run(module):
+    """Each ``python -m`` command turns the collector off above its imports (``exit_with`` turns it
+    back on); imported as a library, it leaves the collector alone."""
+    spec = importlib.util.find_spec(module)
+    path = (
+        spec.submodule_search_locations[0] + "/__main__.py"
+        if spec.submodule_search_locations
+        else spec.origin
+    )
+    body = ast.parse(Path(path).read_text()).body
+    first_import = next(
+        i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom) and node.module != "__future__"
+    )
+    guards = [node for node in body[:first_import] if isinstance(node, ast.If)]
+    assert [ast.unparse(node) for node in guards] == ["if __name__ == '__main__':\n    gc.disable()"]
+    assert gc.isenabled()
+    importlib.import_module(module if not spec.submodule_search_locations else module + ".__main__")
+    assert gc.isenabled()

@@ -1,5 +1,10 @@
 """``python -m helpers.dreambooth``: DreamBooth-LoRA training (see :mod:`helpers.dreambooth.command`)."""
 
+import gc
+
+if __name__ == "__main__":
+    gc.disable()  # while the imports below run; exit_with turns it back on (see its docstring)
+
 from helpers.dreambooth.command import cli
 from helpers.errors import exit_with
 
