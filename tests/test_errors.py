@@ -206,13 +206,9 @@ def test_exit_with_freezes_what_lives_before_and_after_the_command_and_keeps_its
 def test_command_modules_import_with_the_collector_off_and_only_when_run(module):
     """Each ``python -m`` command turns the collector off above its imports (``exit_with`` turns it
     back on); imported as a library, it leaves the collector alone."""
-    spec = importlib.util.find_spec(module)
-    path = (
-        spec.submodule_search_locations[0] + "/__main__.py"
-        if spec.submodule_search_locations
-        else spec.origin
-    )
-    body = ast.parse(Path(path).read_text()).body
+    if importlib.util.find_spec(module).submodule_search_locations:  # a package: its __main__ runs
+        module += ".__main__"
+    body = ast.parse(Path(importlib.util.find_spec(module).origin).read_text()).body
     allowed_first = ("from __future__ import annotations", "import gc")
     first_import = next(
         i
@@ -222,5 +218,5 @@ def test_command_modules_import_with_the_collector_off_and_only_when_run(module)
     guards = [node for node in body[:first_import] if isinstance(node, ast.If)]
     assert [ast.unparse(node) for node in guards] == ["if __name__ == '__main__':\n    gc.disable()"]
     assert gc.isenabled()
-    importlib.import_module(module if not spec.submodule_search_locations else module + ".__main__")
+    importlib.import_module(module)
     assert gc.isenabled()
