@@ -1,5 +1,6 @@
 """Seconds per image: PyTorch fp32 against OpenVINO dynamic, static, static int8 (and static bf16,
-and int8 weights with bf16 compute, where the CPU has native bf16), side by side.
+and int8 weights with bf16 compute, where the CPU has native bf16), and a UNet quantized to int8
+(weights and activations, calibrated), side by side.
 
     python -m bench.inference --model tiny
     python -m bench.inference --model sd15-shape --resolution 512 --steps 20
@@ -73,6 +74,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         )
         fp32, fp32_s = _timed(inference.export_openvino, model, Path(work) / "fp32", learned_embeds=embeds)
         int8, int8_s = _timed(inference.export_openvino, fp32, Path(work) / "int8", weight_format="int8")
+        quant, quant_s = _timed(
+            inference.export_openvino,
+            fp32,
+            Path(work) / "quant_int8",
+            placeholder_token=TOKEN,
+            quant_mode="int8",
+            resolution=args.resolution,
+        )
+        calibration = inference.export_info(quant)["calibration"]
         static = lambda path, **kw: inference.reshape_static(  # noqa: E731
             inference.load_openvino_pipeline(path, compile=False, **kw), args.batch, **size
         )
@@ -85,7 +95,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if inference.openvino_default_precision() == "bf16":
             loaders[inference.BF16_VARIANT] = lambda: static(fp32, precision="bf16")
             loaders[INT8_BF16] = lambda: static(int8, precision="bf16")
-        megabytes = {"fp32": inference.disk_megabytes(fp32), "int8": inference.disk_megabytes(int8)}
+        # int8 where the UNet was quantized, the CPU's default precision (bf16 or f32) everywhere else
+        loaders[inference.QUANT_VARIANT] = lambda: static(quant, precision=None)
+        exports = {"fp32": fp32, "int8": int8, "quant_int8": quant}
+        megabytes = {name: inference.disk_megabytes(path) for name, path in exports.items()}
         names, seconds, images = list(loaders), {name: [] for name in loaders}, {}
         for round_ in range(args.repeats):
             for name in names if round_ % 2 == 0 else names[::-1]:
@@ -112,7 +125,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "psnr_vs_pytorch_db": {
             name: inference.image_psnr(images["pytorch_fp32"], images[name]) for name in names
         },
-        "export_seconds": {"fp32": fp32_s, "int8_from_fp32": int8_s},
+        "export_seconds": {"fp32": fp32_s, "int8_from_fp32": int8_s, "quant_int8_from_fp32": quant_s},
+        "calibration": calibration,
         "model_megabytes": megabytes,
     }
     common.write_json(args.out or common.RESULTS / f"inference-{args.model}-{args.resolution}px.json", result)
@@ -125,14 +139,19 @@ def report(result: dict[str, Any]) -> str:
         f"{result['model']} {result['resolution']} px, {result['steps']} steps, batch {result['batch']}, "
         f"median of {result['repeats']} (torch threads {result['torch_threads']}, "
         f"load {result['machine']['load_average'][0]:.1f})",
-        f"{'variant':<22}{'s/image':>10}{'x PyTorch':>11}{'PSNR dB':>9}",
+        f"{'variant':<28}{'s/image':>10}{'x PyTorch':>11}{'PSNR dB':>9}",
     ]
     for name, value in result["seconds_per_image"].items():
         speedup, psnr = result["speedup_vs_pytorch"][name], result["psnr_vs_pytorch_db"][name]
-        lines.append(f"{name:<22}{value:>10.4g}{speedup:>10.2f}x{psnr:>9.1f}")
+        lines.append(f"{name:<28}{value:>10.4g}{speedup:>10.2f}x{psnr:>9.1f}")
     exports, sizes = result["export_seconds"], result["model_megabytes"]
-    lines.append(f"export: fp32 {exports['fp32']:.1f} s, int8 (from fp32) {exports['int8_from_fp32']:.1f} s")
-    lines.append(f"size: fp32 {sizes['fp32']:.1f} MB, int8 {sizes['int8']:.1f} MB")
+    lines.append(
+        f"export: fp32 {exports['fp32']:.1f} s, int8 (from fp32) {exports['int8_from_fp32']:.1f} s, "
+        f"UNet quantized to int8 (from fp32, calibration included) {exports['quant_int8_from_fp32']:.1f} s"
+    )
+    lines.append(
+        f"size: fp32 {sizes['fp32']:.1f} MB, int8 {sizes['int8']:.1f} MB, quant_int8 {sizes['quant_int8']:.1f} MB"
+    )
     return "\n".join(lines)
 
 

@@ -148,6 +148,9 @@ def no_export(monkeypatch):
         ),
         ("token_missing", inference.InferenceInputError, ["'<nope>'", "not in the tokenizer", "Fix:"]),
         ("weight_format", inference.InferenceInputError, ["weight_format='int4'"]),
+        ("quant_mode", inference.InferenceInputError, ["quant_mode='int4'", "int8"]),
+        ("num_samples", inference.InferenceInputError, ["num_samples=0", "at least 1"]),
+        ("resolution", inference.InferenceInputError, ["resolution=100", "multiple of 8"]),
         ("out_dir_exists", FileExistsError, ["already exists", "overwrite=True"]),
         ("hub_offline", models.HubUnavailableError, ["HF_HUB_OFFLINE", "toyworld"]),
     ],
@@ -162,6 +165,9 @@ def test_bad_inputs_fail_before_export(case, error, words, tmp_path, embeds, fin
         "token_in_finetuned": dict(source=finetuned_dir, learned_embeds=embeds["one"]),
         "token_missing": dict(source="tiny", placeholder_token="<nope>"),
         "weight_format": dict(source="tiny", weight_format="int4"),
+        "quant_mode": dict(source="tiny", quant_mode="int4"),
+        "num_samples": dict(source="tiny", quant_mode="int8", num_samples=0),
+        "resolution": dict(source="tiny", quant_mode="int8", resolution=100),
         "out_dir_exists": dict(source="tiny"),
         "hub_offline": dict(source=models.DEFAULT_MODEL),
     }[case]
@@ -256,6 +262,33 @@ def test_int8_weights_are_compressed_and_close(ov_dirs, pt_finetuned):
     # reported, loosely bounded: int8 error is real but far below "a different image"
     assert 0 < parity.text_encoder_max_abs_diff < 0.5
     assert math.isfinite(parity.image_psnr) and parity.image_psnr > 15
+
+
+@slow
+def test_quant_mode_int8_quantizes_the_unet_only(ov_dirs, pt_finetuned, tmp_path):
+    """The UNet's activations get int8 ranges from 13 recorded calls (2 images of 10 steps, cut
+    to 13); the text encoder and VAE stay fp32, so the text embeddings still match PyTorch."""
+    import openvino as ov
+
+    out = inference.export_openvino(
+        ov_dirs["pipeline"], tmp_path / "q", quant_mode="int8", num_samples=13, resolution=128
+    )
+    info = inference.export_info(out)
+    assert info["quant_mode"] == "int8" and info["weight_format"] == "fp32"
+    assert {k: info["calibration"][k] for k in ("samples", "steps", "resolution")} == dict(
+        samples=13, steps=10, resolution=128
+    )
+
+    def fake_quantize(folder: Path, part: str) -> int:
+        model = ov.Core().read_model(folder / part / "openvino_model.xml")
+        return sum(op.get_type_name() == "FakeQuantize" for op in model.get_ops())
+
+    assert fake_quantize(ov_dirs["pipeline"], "unet") == 0 and fake_quantize(out, "unet") > 50
+    assert fake_quantize(out, "text_encoder") == 0 and fake_quantize(out, "vae_decoder") == 0
+    q = inference.reshape_static(inference.load_openvino_pipeline(out, compile=False), 1, 128, 128)
+    parity = inference.compare(pt_finetuned, q, PROMPT, num_inference_steps=STEPS, height=128, width=128)
+    assert parity.text_encoder_max_abs_diff < inference.TEXT_ENCODER_ATOL
+    assert 15 < parity.image_psnr < inference.PSNR_IDENTICAL_DB  # int8 arithmetic: close, not equal
 
 
 @slow
@@ -367,6 +400,11 @@ def test_save_images_and_timing_rows(tmp_path):
 def test_cli_parses_the_three_commands():
     args = inference.parse_args(["export", "--model", "tiny", "--output_dir", "o", "--weight_format", "int8"])
     assert (args.command, args.model, args.weight_format, args.overwrite) == ("export", "tiny", "int8", False)
+    assert (args.quant_mode, args.num_samples, args.resolution) == (None, inference.CALIBRATION_SAMPLES, None)
+    args = inference.parse_args(
+        ["export", "--model", "m", "--output_dir", "o", "--quant_mode", "int8", "--num_samples", "9"]
+    )
+    assert (args.quant_mode, args.num_samples) == ("int8", 9)
     args = inference.parse_args(
         ["generate", "--model", "m", "--prompt", "a", "--prompt", "b", "--output_dir", "o"]
     )
@@ -447,7 +485,8 @@ def test_notebook_05_records(notebook_records):
     seconds = records["seconds_per_image"]
     native_bf16 = records["openvino_default_precision"] == "bf16"
     assert records["openvino_default_precision"] == inference.openvino_default_precision()
-    assert set(seconds) == set(inference.VARIANTS) | ({inference.BF16_VARIANT} if native_bf16 else set())
+    always = {*inference.VARIANTS, inference.QUANT_VARIANT}
+    assert set(seconds) == always | ({inference.BF16_VARIANT} if native_bf16 else set())
     assert ("image_psnr_bf16_vs_pt" in records) == native_bf16
     if native_bf16:  # bf16 drifts (measured ~30-36 dB) but still draws the same picture
         assert records["image_psnr_bf16_vs_pt"] > 25
@@ -456,6 +495,8 @@ def test_notebook_05_records(notebook_records):
     assert records["image_psnr_ov_vs_pt"] > inference.IMAGE_PSNR_MIN_DB
     assert records["image_psnr_static_vs_pt"] > inference.IMAGE_PSNR_MIN_DB
     assert math.isfinite(records["image_psnr_int8_vs_pt"])
+    assert records["calibration"]["samples"] == 20 and records["calibration"]["resolution"] == 64
+    assert 15 < records["image_psnr_quant_int8_vs_pt"] < inference.PSNR_IDENTICAL_DB
     assert set(records["export_seconds"]) == {"fp32", "int8"} and all(records["export_seconds"].values())
     assert records["model_megabytes"]["int8"] < records["model_megabytes"]["fp32"]
     expected = {f"{variant}-{i:02d}.png" for variant in seconds for i in range(records["num_images"])}

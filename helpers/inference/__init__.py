@@ -40,6 +40,8 @@ from helpers.inference.common import (
     EXPORT_INFO,
     IMAGE_PSNR_MIN_DB,
     PSNR_IDENTICAL_DB,
+    QUANT_MODES,
+    QUANT_VARIANT,
     ROUTES,
     TEXT_ENCODER_ATOL,
     VARIANTS,
@@ -55,6 +57,7 @@ from helpers.inference.concept import (
 )
 from helpers.inference.generation import Generation, generate, initial_latents, save_images, timing_rows
 from helpers.inference.openvino import (
+    CALIBRATION_SAMPLES,
     disk_megabytes,
     export_info,
     export_openvino,
@@ -77,10 +80,13 @@ from helpers.outputs import LEARNED_EMBEDS
 
 __all__ = [
     "BF16_VARIANT",
+    "CALIBRATION_SAMPLES",
     "EXPORT_INFO",
     "IMAGE_PSNR_MIN_DB",
     "LEARNED_EMBEDS",
     "PSNR_IDENTICAL_DB",
+    "QUANT_MODES",
+    "QUANT_VARIANT",
     "ROUTES",
     "TEXT_ENCODER_ATOL",
     "VARIANTS",

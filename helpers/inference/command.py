@@ -11,10 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from helpers.errors import run_cli
-from helpers.inference.common import WEIGHT_FORMATS, InferenceInputError, is_openvino_folder
+from helpers.inference.common import QUANT_MODES, WEIGHT_FORMATS, InferenceInputError, is_openvino_folder
 from helpers.inference.concept import read_learned_embeds
 from helpers.inference.generation import generate, save_images
-from helpers.inference.openvino import export_info, export_openvino, load_openvino_pipeline, reshape_static
+from helpers.inference.openvino import (
+    CALIBRATION_SAMPLES,
+    export_info,
+    export_openvino,
+    load_openvino_pipeline,
+    reshape_static,
+)
 from helpers.inference.parity import compare
 from helpers.inference.pytorch import load_learned_embeds, load_pytorch_pipeline
 from helpers.outputs import LEARNED_EMBEDS
@@ -43,10 +49,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--seed", type=int, default=0, help="seed of the initial latents")
         p.add_argument("--resolution", type=int, default=None, help="height and width (default: the model's)")
 
-    p = sub.add_parser("export", help="export to OpenVINO IR (fp32 or int8 weights)")
+    p = sub.add_parser("export", help="export to OpenVINO IR (fp32 or int8 weights, or an int8 UNet)")
     concept(p, "fine-tuned folder, base model ('tiny', Hub id, folder) or an OpenVINO export")
     p.add_argument("--output_dir", required=True, help="folder for the OpenVINO pipeline")
     p.add_argument("--weight_format", choices=WEIGHT_FORMATS, default="fp32", help="int8: compressed weights")
+    p.add_argument(
+        "--quant_mode", choices=QUANT_MODES, default=None, help="int8: the UNet computes in int8 (calibrated)"
+    )
+    p.add_argument(
+        "--num_samples",
+        type=int,
+        default=CALIBRATION_SAMPLES,
+        help="--quant_mode: UNet calls to calibrate on",
+    )
+    p.add_argument("--resolution", type=int, default=None, help="--quant_mode: the size you will generate at")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
 
     p = sub.add_parser("generate", help="generate images and report seconds per image")
@@ -104,6 +120,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             args.learned_embeds,
             args.placeholder_token,
             overwrite=args.overwrite,
+            quant_mode=args.quant_mode,
+            num_samples=args.num_samples,
+            resolution=args.resolution,
         )
         return export_info(out)
     size = dict(height=args.resolution, width=args.resolution)

@@ -12,6 +12,10 @@ VARIANTS = ("pytorch_fp32", "openvino_dynamic", "openvino_static", "openvino_sta
 """The variants timed on every CPU; where :func:`openvino_default_precision` is bf16, also this one:"""
 BF16_VARIANT = "openvino_static_bf16"
 WEIGHT_FORMATS = ("fp32", "int8")
+QUANT_MODES = ("int8",)
+"""``quant_mode`` of :func:`export_openvino`: int8 weights *and* activations in the UNet (calibrated)."""
+QUANT_VARIANT = "openvino_static_quant_int8"
+"""The variant whose UNet computes in int8 (``quant_mode="int8"``; the rest in the CPU's default precision)."""
 ROUTES = ("auto", "pipeline", "embeddings")
 TEXT_ENCODER_ATOL = 1e-4
 """Max abs difference allowed between OpenVINO fp32 and PyTorch text-encoder outputs (far above what fp32 gives)."""
