@@ -26,6 +26,7 @@ VARIANT_LABELS = {
     "openvino_static_int8": "OpenVINO static, int8 weights",
     inference.BF16_VARIANT: "OpenVINO static, bf16 (the CPU's default)",
     "openvino_static_int8_bf16": "OpenVINO static, int8 weights, bf16 compute",
+    inference.QUANT_VARIANT: "OpenVINO static, UNet in int8 (weights and activations, calibrated)",
 }
 
 OPTION_NOTES = {
@@ -270,7 +271,7 @@ def _inference_table(results: list[dict[str, Any]]) -> list[str]:
             psnr = r["psnr_vs_pytorch_db"][name]
             cells.append(
                 f"{r['seconds_per_image'][name]:.3g} ({r['speedup_vs_pytorch'][name]:.2f}x, "
-                + ("same" if name == "pytorch_fp32" else f"{psnr:.0f} dB")
+                + ("same" if name == "pytorch_fp32" else f"{psnr:.1f} dB")
                 + ")"
             )
         lines.append(f"| {VARIANT_LABELS[name]} | " + " | ".join(cells) + " |")

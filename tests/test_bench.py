@@ -314,7 +314,7 @@ def test_inference_benchmark_on_tiny(tmp_path):
     args = ["--model", "tiny", "--steps", "2", "--repeats", "1", "--out", str(out)]
     result = bench_inference.main(bench_inference.parse_args(args))
     native = inference.openvino_default_precision() == "bf16"
-    expected = set(inference.VARIANTS) | (
+    expected = {*inference.VARIANTS, inference.QUANT_VARIANT} | (
         {inference.BF16_VARIANT, bench_inference.INT8_BF16} if native else set()
     )
     assert set(result["seconds_per_image"]) == expected
@@ -323,6 +323,9 @@ def test_inference_benchmark_on_tiny(tmp_path):
     assert result["psnr_vs_pytorch_db"]["pytorch_fp32"] == inference.PSNR_IDENTICAL_DB
     assert result["psnr_vs_pytorch_db"]["openvino_static"] > inference.IMAGE_PSNR_MIN_DB
     assert result["model_megabytes"]["int8"] < result["model_megabytes"]["fp32"]
+    assert result["calibration"]["samples"] == inference.CALIBRATION_SAMPLES
+    assert result["calibration"]["resolution"] == 128
+    assert 15 < result["psnr_vs_pytorch_db"][inference.QUANT_VARIANT] < inference.PSNR_IDENTICAL_DB
     assert "openvino_static_int8" in bench_inference.report(result)
 
 
