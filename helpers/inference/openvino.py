@@ -121,7 +121,7 @@ def export_openvino(
     num_samples: int = CALIBRATION_SAMPLES,
     resolution: int | None = None,
 ) -> Path:
-    """Export a Stable Diffusion pipeline to OpenVINO IR, with the concept, in fp32 or int8 weights.
+    """Export a Stable Diffusion pipeline to OpenVINO IR, with the concept: fp32 or int8 weights, or an int8 UNet.
 
     Inputs are checked before any export work; the result is written to a temporary folder beside
     ``out_dir`` and renamed into place, so ``out_dir`` is never half-written.
@@ -213,7 +213,8 @@ def export_openvino(
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
 
     replace_dir_atomic(out, fill)
-    logger.info("exported %s (%s) to %s in %.1f s", os.fspath(source), weight_format, out, info["seconds"])
+    what = weight_format + (f", UNet in {quant_mode}" if quant_mode else "")
+    logger.info("exported %s (%s) to %s in %.1f s", os.fspath(source), what, out, info["seconds"])
     return out
 
 
