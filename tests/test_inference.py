@@ -521,3 +521,13 @@ def test_first_finished_run_prefers_the_first_finished_folder(tmp_path):
         FileNotFoundError, match="no finished training run in .*elsewhere.*Fix: run notebook 02 or 04"
     ):
         inference.first_finished_run(tmp_path / "elsewhere")
+
+
+def test_notebook_05_calibrates_like_the_export_by_default():
+    """Papermill parameters must be literals, so the notebook repeats the export's default."""
+    import papermill
+
+    from helpers.notebooks import NOTEBOOK_DIR
+
+    params = papermill.inspect_notebook(str(NOTEBOOK_DIR / "05_openvino_inference.ipynb"))
+    assert int(params["calibration_samples"]["default"]) == inference.CALIBRATION_SAMPLES
