@@ -1,6 +1,6 @@
 """Seconds per image: PyTorch fp32 against OpenVINO dynamic, static, static int8 (and static bf16,
-and int8 weights with bf16 compute, where the CPU has native bf16), and a UNet quantized to int8
-(weights and activations, calibrated), side by side.
+and int8 weights with bf16 compute, where the CPU has native bf16), and a UNet and VAE decoder
+quantized to int8 (weights and activations, calibrated), side by side.
 
     python -m bench.inference --model tiny
     python -m bench.inference --model sd15-shape --resolution 512 --steps 20
@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if inference.openvino_default_precision() == "bf16":
             loaders[inference.BF16_VARIANT] = lambda: static(fp32, precision="bf16")
             loaders[INT8_BF16] = lambda: static(int8, precision="bf16")
-        # int8 where the UNet was quantized, the CPU's default precision (bf16 or f32) everywhere else
+        # int8 where the UNet and the VAE decoder were quantized, the CPU's default precision (bf16 or f32) everywhere else
         loaders[inference.QUANT_VARIANT] = lambda: static(quant, precision=None)
         exports = {"fp32": fp32, "int8": int8, "quant_int8": quant}
         megabytes = {name: inference.disk_megabytes(path) for name, path in exports.items()}
@@ -147,7 +147,7 @@ def report(result: dict[str, Any]) -> str:
     exports, sizes = result["export_seconds"], result["model_megabytes"]
     lines.append(
         f"export: fp32 {exports['fp32']:.1f} s, int8 (from fp32) {exports['int8_from_fp32']:.1f} s, "
-        f"UNet quantized to int8 (from fp32, calibration included) {exports['quant_int8_from_fp32']:.1f} s"
+        f"UNet and VAE decoder quantized to int8 (from fp32, calibration included) {exports['quant_int8_from_fp32']:.1f} s"
     )
     lines.append(
         f"size: fp32 {sizes['fp32']:.1f} MB, int8 {sizes['int8']:.1f} MB, quant_int8 {sizes['quant_int8']:.1f} MB"

@@ -26,7 +26,7 @@ VARIANT_LABELS = {
     "openvino_static_int8": "OpenVINO static, int8 weights",
     inference.BF16_VARIANT: "OpenVINO static, bf16 (the CPU's default)",
     "openvino_static_int8_bf16": "OpenVINO static, int8 weights, bf16 compute",
-    inference.QUANT_VARIANT: "OpenVINO static, UNet in int8 (weights and activations, calibrated)",
+    inference.QUANT_VARIANT: "OpenVINO static, UNet and VAE decoder in int8 (weights and activations, calibrated)",
 }
 
 OPTION_NOTES = {

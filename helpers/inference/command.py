@@ -49,12 +49,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--seed", type=int, default=0, help="seed of the initial latents")
         p.add_argument("--resolution", type=int, default=None, help="height and width (default: the model's)")
 
-    p = sub.add_parser("export", help="export to OpenVINO IR (fp32 or int8 weights, or an int8 UNet)")
+    p = sub.add_parser("export", help="export to OpenVINO IR (fp32 or int8 weights, or int8 arithmetic)")
     concept(p, "fine-tuned folder, base model ('tiny', Hub id, folder) or an OpenVINO export")
     p.add_argument("--output_dir", required=True, help="folder for the OpenVINO pipeline")
     p.add_argument("--weight_format", choices=WEIGHT_FORMATS, default="fp32", help="int8: compressed weights")
     p.add_argument(
-        "--quant_mode", choices=QUANT_MODES, default=None, help="int8: the UNet computes in int8 (calibrated)"
+        "--quant_mode",
+        choices=QUANT_MODES,
+        default=None,
+        help="int8: the UNet and the VAE decoder compute in int8 (calibrated)",
     )
     p.add_argument(
         "--num_samples",

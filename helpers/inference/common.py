@@ -13,10 +13,11 @@ VARIANTS = ("pytorch_fp32", "openvino_dynamic", "openvino_static", "openvino_sta
 BF16_VARIANT = "openvino_static_bf16"
 WEIGHT_FORMATS = ("fp32", "int8")
 QUANT_MODES = ("int8",)
-"""``quant_mode`` of :func:`export_openvino`: int8 weights *and* activations in the UNet (calibrated)."""
+"""``quant_mode`` of :func:`export_openvino`: int8 weights *and* activations in the UNet and the VAE
+decoder (calibrated)."""
 QUANT_VARIANT = "openvino_static_quant_int8"
-"""Timed on every CPU too: the UNet computes in int8 (``quant_mode="int8"``), the rest in the CPU's
-default precision (notebook 05, section 8)."""
+"""Timed on every CPU too: the UNet and the VAE decoder compute in int8 (``quant_mode="int8"``),
+the rest in the CPU's default precision (notebook 05, section 8)."""
 ROUTES = ("auto", "pipeline", "embeddings")
 TEXT_ENCODER_ATOL = 1e-4
 """Max abs difference allowed between OpenVINO fp32 and PyTorch text-encoder outputs (far above what fp32 gives)."""
