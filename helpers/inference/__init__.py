@@ -26,10 +26,12 @@ Three optimum-intel 2.2 pitfalls are handled here (found on the tiny pipeline, s
 And one of OpenVINO 2026.4's CPU plugin: a UNet with int8 weights whose mid-block is 1x1 (the tiny
 pipeline at 64 px; SD v1.5 at 64 px) fails to compile with static shapes. Use 128 px or more there.
 
-``export_openvino(quant_mode="int8")`` (the UNet computing in int8) records its calibration data
-itself instead of letting optimum-intel do it: optimum-intel generates 50-step images at the
-model's own size (512 px for SD v1.5, whatever size you will generate at), where this records
-10-step images at the size you give.
+``export_openvino(quant_mode="int8")`` (the UNet and the VAE decoder computing in int8) records its
+calibration data itself instead of letting optimum-intel do it: optimum-intel generates 50-step
+images at the model's own size (512 px for SD v1.5, whatever size you will generate at), where this
+records 10-step images at the size you give. It keeps a few layers in floating point
+(:data:`~helpers.inference.openvino.FLOAT_LAYERS`: the residual shortcut convolutions, whose
+uneven inputs one int8 scale fits badly, and layers with almost no work).
 
 The parts: :mod:`~helpers.inference.concept` (where the concept is, checked before any work),
 :mod:`~helpers.inference.pytorch` and :mod:`~helpers.inference.openvino` (the two backends),
