@@ -95,7 +95,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if inference.openvino_default_precision() == "bf16":
             loaders[inference.BF16_VARIANT] = lambda: static(fp32, precision="bf16")
             loaders[INT8_BF16] = lambda: static(int8, precision="bf16")
-        # int8 where the UNet and the VAE decoder were quantized, the CPU's default precision (bf16 or f32) everywhere else
+        # int8 where the UNet and the VAE decoder were quantized,
+        # the CPU's default precision (bf16 or f32) everywhere else
         loaders[inference.QUANT_VARIANT] = lambda: static(quant, precision=None)
         exports = {"fp32": fp32, "int8": int8, "quant_int8": quant}
         megabytes = {name: inference.disk_megabytes(path) for name, path in exports.items()}

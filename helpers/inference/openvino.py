@@ -148,7 +148,7 @@ def export_openvino(
     num_samples: int = CALIBRATION_SAMPLES,
     resolution: int | None = None,
 ) -> Path:
-    """Export a Stable Diffusion pipeline to OpenVINO IR, with the concept: fp32 or int8 weights, or int8 arithmetic.
+    """Export a pipeline and its concept to OpenVINO IR: fp32, int8 weights, or int8 arithmetic.
 
     Inputs are checked before any export work; the result is written to a temporary folder beside
     ``out_dir`` and renamed into place, so ``out_dir`` is never half-written.
@@ -249,7 +249,7 @@ def export_openvino(
 def _calibrate_and_quantize(
     pipe: Any, save_dir: Path, weight_format: str, token: str, num_samples: int, resolution: int | None
 ) -> dict[str, Any]:
-    """Quantize ``pipe``'s UNet and VAE decoder to int8 weights and activations, calibrated on their own inputs.
+    """Quantize ``pipe``'s UNet and VAE decoder to int8 weights and activations, calibrated on their inputs.
 
     The pipeline (fp32, dynamic shapes) generates from the textual-inversion prompt templates with
     ``token`` in them, ``CALIBRATION_STEPS`` steps per image, until ``num_samples`` UNet calls are
