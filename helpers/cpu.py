@@ -212,6 +212,17 @@ def _glibc():
 
 
 @contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """PyTorch's intra-op threads set to ``num_threads`` within the block, and restored on exit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
 def keep_freed_memory() -> Iterator[bool]:
     """Within the block, glibc keeps freed memory for reuse instead of returning it to the OS.
 

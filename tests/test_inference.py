@@ -6,6 +6,7 @@ with learned embeddings inserted afterwards, and an int8 compression of the latt
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -366,6 +367,41 @@ def test_static_batch_matches_dynamic(ov_dirs):
         inference.generate(ov, prompts, num_inference_steps=1, height=128, width=128, num_images_per_prompt=2)
     with pytest.raises(inference.InferenceInputError, match="multiple of 8"):
         inference.reshape_static(ov, batch_size=1, height=60, width=64)
+
+
+def test_openvino_generation_keeps_torch_to_one_thread(ov_dirs, pt_duo, monkeypatch):
+    """PyTorch runs on one thread while an OpenVINO pipeline generates (its OpenMP workers would
+    spin on OpenVINO's cores), with the same images as on more threads, and its threads restored.
+    A PyTorch pipeline generates on all of its threads."""
+    ov = inference.load_openvino_pipeline(ov_dirs["embeds"])
+    seen: list[int] = []
+    request = ov.unet.request
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return request(*args, **kwargs)
+
+    ov.unet.request = recording
+    kwargs = dict(num_inference_steps=2, warmup=False)
+    with cpu.torch_threads(2):
+        one = inference.generate(ov, DUO_PROMPT, **kwargs)
+        assert torch.get_num_threads() == 2
+        assert seen and set(seen) == {1}
+        seen.clear()
+        monkeypatch.setattr(inference.generation.cpu, "torch_threads", lambda n: contextlib.nullcontext())
+        two = inference.generate(ov, DUO_PROMPT, **kwargs)
+        assert seen and set(seen) == {2}
+        monkeypatch.undo()
+        hook = pt_duo.unet.register_forward_pre_hook(
+            lambda module, args: seen.append(torch.get_num_threads())
+        )
+        try:
+            seen.clear()
+            inference.generate(pt_duo, DUO_PROMPT, **kwargs)
+        finally:
+            hook.remove()
+        assert seen and set(seen) == {2}
+    assert inference.image_psnr(one.images, two.images) == inference.PSNR_IDENTICAL_DB
 
 
 @slow
