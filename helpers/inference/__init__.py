@@ -26,6 +26,10 @@ Three optimum-intel 2.2 pitfalls are handled here (found on the tiny pipeline, s
 And one of OpenVINO 2026.4's CPU plugin: a UNet with int8 weights whose mid-block is 1x1 (the tiny
 pipeline at 64 px; SD v1.5 at 64 px) fails to compile with static shapes. Use 128 px or more there.
 
+PyTorch and OpenVINO share the cores: while an OpenVINO pipeline generates, PyTorch still runs the
+scheduler's element-wise ops between UNet calls, and its OpenMP workers then spin-wait on the cores
+OpenVINO computes on. :func:`generate` runs PyTorch on one thread meanwhile (same images).
+
 ``export_openvino(quant_mode="int8")`` (the UNet and the VAE decoder computing in int8) records its
 calibration data itself instead of letting optimum-intel do it: optimum-intel generates 50-step
 images at the model's own size (512 px for SD v1.5, whatever size you will generate at), where this
