@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from helpers import cpu
 from helpers.files import replace_dir_atomic
 from helpers.inference.common import (
     EXPORT_INFO,
@@ -284,22 +285,24 @@ def _calibrate_and_quantize(
     pipe.unet.request = InferRequestWrapper(pipe.unet.request, samples)
     pipe.vae_decoder.request = InferRequestWrapper(pipe.vae_decoder.request, decoder_samples)
     pipe.set_progress_bar_config(disable=True)
+    # PyTorch on one thread, as in generate(): its idle workers would spin on OpenVINO's cores
     try:
-        for i in tqdm(
-            range(images),
-            desc=f"calibrating the UNet and the VAE decoder ({images} images, {size} px)",
-            unit="image",
-        ):
-            prompt = imagenet_templates_small[i % len(imagenet_templates_small)].format(token)
-            generator = torch.Generator().manual_seed(i)
-            pipe(
-                prompt,
-                height=size,
-                width=size,
-                num_inference_steps=CALIBRATION_STEPS,
-                generator=generator,
-                output_type="np",
-            )
+        with cpu.torch_threads(1):
+            for i in tqdm(
+                range(images),
+                desc=f"calibrating the UNet and the VAE decoder ({images} images, {size} px)",
+                unit="image",
+            ):
+                prompt = imagenet_templates_small[i % len(imagenet_templates_small)].format(token)
+                generator = torch.Generator().manual_seed(i)
+                pipe(
+                    prompt,
+                    height=size,
+                    width=size,
+                    num_inference_steps=CALIBRATION_STEPS,
+                    generator=generator,
+                    output_type="np",
+                )
     finally:
         pipe.unet.request = pipe.unet.request.request
         pipe.vae_decoder.request = pipe.vae_decoder.request.request
