@@ -562,13 +562,17 @@ def accelerate_launch_argv(
     return argv + list(entry)
 
 
-def _torchrun_argv(layout: ClusterLayout, node_rank: int, rest: Sequence[str]) -> tuple[str, ...]:
+def _torchrun_argv(
+    layout: ClusterLayout, node_rank: int, rest: Sequence[str], log_dir: str | os.PathLike | None
+) -> tuple[str, ...]:
     flags = (
         f"--nnodes {layout.num_machines} --node_rank {node_rank} --nproc_per_node {layout.nproc_per_node} "
         f"--master_addr {layout.main_process_ip} --master_port {layout.main_process_port} "
         "--tee 3"  # tags every line with the local rank: "[default0]:"
-    )
-    return (sys.executable, "-m", "torch.distributed.run", *flags.split(), *rest)
+    ).split()
+    if log_dir is not None:  # without it, torchrun keeps the teed logs in a new /tmp/torchelastic_* folder
+        flags += ["--log-dir", os.path.abspath(log_dir)]
+    return (sys.executable, "-m", "torch.distributed.run", *flags, *rest)
 
 
 def launch_commands(
@@ -585,6 +589,7 @@ def launch_commands(
     entry: Sequence[str] = TRAIN_ENTRY,
     program: Sequence[str] | None = None,
     extra_env: Mapping[str, str] | None = None,
+    log_dir: str | os.PathLike | None = None,
 ) -> list[LaunchCommand]:
     """The exact command lines that start the training on every node.
 
@@ -602,6 +607,9 @@ def launch_commands(
         entry: what accelerate launch / torchrun runs (``-m module`` or a script path).
         program: for mpirun only, replace each rank's whole command (tests, diagnostics).
         extra_env: more variables every rank gets (passed as the job's own, on every node).
+        log_dir: for torchrun only, its ``--log-dir``: each launch keeps its ranks' output there, in a
+            new ``<run id>_*/attempt_0/<local rank>/`` folder. Without it torchrun keeps them in a
+            new ``/tmp/torchelastic_*`` folder that nothing removes.
 
     Returns:
         The commands; render each with :meth:`LaunchCommand.shell`.
@@ -614,7 +622,7 @@ def launch_commands(
         rank_env = {k: v for k, v in env.items() if not k.startswith("MASTER_")}  # torchrun sets those
         return [
             LaunchCommand(
-                argv=_torchrun_argv(layout, k, [*entry, *train_args]),
+                argv=_torchrun_argv(layout, k, [*entry, *train_args], log_dir),
                 env=rank_env,
                 host=host,
                 node_rank=k,

@@ -10,7 +10,8 @@
 builds the commands with :mod:`helpers.distributed` (mpirun: one command on the head node;
 torchrun: one per node, the others started over ssh; ray: one Ray Train driver,
 :mod:`helpers.ray_launch`, whose workers Ray places), streams rank 0's output, and returns the
-job's exit code. The hostfile and accelerate configs go to ``<output_dir>/launch/`` (``--work_dir``).
+job's exit code. The hostfile and accelerate configs go to ``<output_dir>/launch/`` (``--work_dir``),
+and under torchrun each node's rank logs to ``<work_dir>/torchrun/``.
 
 Supervision to the end: every rank of ``helpers.train`` reports to ``<work_dir>/status``
 (:mod:`helpers.supervise`), so this sees each rank exit even under mpirun. Once one rank has
@@ -412,8 +413,8 @@ def prepare_job(
         train_args: ``helpers.train`` flags; parsed here so a bad flag fails before any process starts.
         launcher: ``"mpirun"``, ``"torchrun"`` or ``"ray"`` (one command: the Ray Train driver of
             :mod:`helpers.ray_launch`).
-        work_dir: folder for ``hostfile``, ``accelerate_config_node*.yaml`` and the ranks' ``status/``
-            (default ``<output_dir>/launch``, with the run, so two runs never share it; must be
+        work_dir: folder for ``hostfile``, ``accelerate_config_node*.yaml``, the ranks' ``status/``
+            and torchrun's rank logs, ``torchrun/`` (default ``<output_dir>/launch``, with the run, so two runs never share it; must be
             visible at the same path on every node, or copied there).
         mpirun: the mpirun program (default: this environment's, see :func:`distributed.find_mpirun`).
         backend: ``"gloo"``/``"ccl"`` (default :func:`distributed.select_backend`).
@@ -463,7 +464,8 @@ def prepare_job(
         kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
     commands = distributed.launch_commands(
         layout, train_args, launcher, backend=backend or distributed.select_backend(),
-        extra_env={supervise.STATUS_DIR_ENV: status_dir}, entry=("-m", module), **kwargs,
+        extra_env={supervise.STATUS_DIR_ENV: status_dir}, entry=("-m", module), log_dir=work_dir / "torchrun",
+        **kwargs,
     )  # fmt: skip
     return [dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir)) for c in commands]
 

@@ -320,12 +320,13 @@ def test_torchrun_commands_parse_with_torchruns_own_parser():
     from torch.distributed.run import get_args_parser
 
     layout = d.ClusterLayout(HOSTS4, 4, main_process_ip="10.0.0.4", threads_per_process=2)
-    cmds = d.launch_commands(layout, ["--seed", "1"], "torchrun")
+    cmds = d.launch_commands(layout, ["--seed", "1"], "torchrun", log_dir="run logs")
     assert [c.host for c in cmds] == list(HOSTS4) and [c.rank_offset for c in cmds] == [0, 4, 8, 12]
     for k, cmd in enumerate(cmds):
         assert cmd.argv[:3] == (sys.executable, "-m", "torch.distributed.run")
         args = get_args_parser().parse_args(list(cmd.argv[3:]))
         assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("4", k, "4")
+        assert args.log_dir == os.path.abspath("run logs")  # a path with a space stays one argument
         assert (args.master_addr, args.master_port, args.module) == ("10.0.0.4", 29500, True)
         assert (args.training_script, args.training_script_args) == ("helpers.train", ["--seed", "1"])
         assert cmd.env["OMP_NUM_THREADS"] == "2" and "MASTER_ADDR" not in cmd.env

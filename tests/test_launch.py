@@ -80,7 +80,9 @@ def small_job(
     else:
         layout = d.ClusterLayout(tuple(f"node{k}" for k in range(nodes)), 1, main_process_ip="127.0.0.1",
                                  main_process_port=d.free_port(), threads_per_process=1)  # fmt: skip
-    return d.launch_commands(layout, [], launcher, mpirun=mpirun, entry=[str(script)])
+    return d.launch_commands(
+        layout, [], launcher, mpirun=mpirun, entry=[str(script)], log_dir=script.parent / "logs"
+    )
 
 
 def test_diagnose_prefers_the_root_cause_over_peers_and_wrappers():
@@ -152,6 +154,10 @@ def test_two_ranks_form_one_group_and_a_crash_fails_the_job(script, launcher, mo
     assert "rank 1 failed" in result.message()
     with pytest.raises(launch.JobFailed, match="rank 1 failed.*deliberate failure"):
         result.raise_for_failure()
+    if launcher == "torchrun":  # torchrun keeps the ranks' output in the log folder it was given
+        (run,) = (script.parent / "logs").iterdir()
+        assert "rank 0 of 2 sum 3" in (run / "attempt_0" / "0" / "stdout.log").read_text()
+        assert "deliberate failure on rank 1" in (run / "attempt_0" / "1" / "stderr.log").read_text()
 
 
 @pytest.mark.slow
@@ -325,6 +331,9 @@ def test_two_ranks_train_and_end_bitwise_identical(engine_runs, launcher):
     assert summary["full_matrix_allreduce_bytes_per_step"] >= 10_000 * summary["allreduce_bytes_per_step"]
     history = json.loads((engine_runs[launcher] / "history.json").read_text())
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
+    if launcher == "torchrun":  # helpers.launch gives torchrun a log folder in the run's launch/
+        logs = engine_runs[launcher] / "launch" / "torchrun"
+        assert sorted(p.parent.name for p in logs.glob("*/attempt_0/*/stderr.log")) == ["0", "1"]
 
 
 @pytest.mark.slow
