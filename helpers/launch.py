@@ -414,8 +414,9 @@ def prepare_job(
         launcher: ``"mpirun"``, ``"torchrun"`` or ``"ray"`` (one command: the Ray Train driver of
             :mod:`helpers.ray_launch`).
         work_dir: folder for ``hostfile``, ``accelerate_config_node*.yaml``, the ranks' ``status/``
-            and torchrun's rank logs, ``torchrun/`` (default ``<output_dir>/launch``, with the run, so two runs never share it; must be
-            visible at the same path on every node, or copied there).
+            and torchrun's rank logs, ``torchrun/`` (default ``<output_dir>/launch``, with the run,
+            so two runs never share it; must be visible at the same path on every node, or copied
+            there).
         mpirun: the mpirun program (default: this environment's, see :func:`distributed.find_mpirun`).
         backend: ``"gloo"``/``"ccl"`` (default :func:`distributed.select_backend`).
         num_nodes: ``"ray"`` only: nodes of the Ray cluster to spread the workers over.
