@@ -522,8 +522,7 @@ def test_cli_command_from_the_issue(tmp_path):
 
 
 def test_threads_default_shares_the_cores_of_a_node(monkeypatch):
-    before = torch.get_num_threads()
-    try:
+    with cpu.torch_threads(torch.get_num_threads()):  # the process's thread count restored after
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
         assert cpu.set_threads() == 1 == torch.get_num_threads()
         monkeypatch.delenv("OMP_NUM_THREADS")
@@ -531,8 +530,6 @@ def test_threads_default_shares_the_cores_of_a_node(monkeypatch):
         assert cpu.set_threads() == 1  # never below one thread
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
         assert cpu.set_threads() == cpu.physical_cores()
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_keyed_draws_accept_every_seed_the_settings_allow():
