@@ -404,10 +404,7 @@ class ProcessGroupCCL : public c10d::Backend {
                             std::to_string(getSize()) + " did not complete within " + seconds_text(timeout) +
                             ": a peer rank stopped, hangs, or called another collective";
           broken_ = why + " (earlier; destroy this process group)";
-          leaked_.push_back(std::move(event));  // oneCCL may still write these buffers
-          for (auto& t : keep) {
-            kept_.push_back(t);
-          }
+          abandon(std::move(event), keep);
           fail(why);
         }
         // Spin briefly (small messages complete in tens of microseconds), then yield, then sleep.
@@ -423,6 +420,15 @@ class ProcessGroupCCL : public c10d::Backend {
     }
   }
 
+  // An operation that never completed: its event waits for it when destroyed, and oneCCL may still
+  // write its buffers, so both are kept, never destroyed (nor is the communicator, see the destructor).
+  static void abandon(ccl::event&& event, const std::vector<at::Tensor>& buffers) {
+    static auto* events = new std::vector<ccl::event>();
+    static auto* tensors = new std::vector<at::Tensor>();
+    events->push_back(std::move(event));
+    tensors->insert(tensors->end(), buffers.begin(), buffers.end());
+  }
+
   c10::intrusive_ptr<c10d::Work> done(c10d::OpType op, std::vector<at::Tensor> outputs) {
     return c10::make_intrusive<CompletedWork>(getRank(), op, std::move(outputs));
   }
@@ -433,8 +439,6 @@ class ProcessGroupCCL : public c10d::Backend {
   std::unique_ptr<ccl::communicator> comm_;
   std::mutex mutex_;
   std::optional<std::string> broken_;
-  std::vector<ccl::event> leaked_;
-  std::vector<at::Tensor> kept_;
 };
 
 c10::intrusive_ptr<c10d::Backend> create(const c10::intrusive_ptr<c10d::Store>& store,
