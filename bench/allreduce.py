@@ -13,6 +13,17 @@ the result inside the step (it includes waiting for the slower rank).
 ``--split_rounds`` then compares the ways to use one node's cores for the same global batch:
 ``world_size`` processes x ``cores / world_size`` threads against 1 process x ``cores`` threads,
 our step only, in alternating fresh launches.
+
+``--backends gloo ccl`` measures instead the latency of one all-reduce per backend, gloo against
+the ``ccl`` backend of :mod:`helpers.launching.oneccl`, both in the same 2 processes (1 thread
+each, oneCCL's variables from ``oneccl.environment``), sizes interleaved and each round
+alternating the order: 3 KB (textual inversion's vector), 3.2 MB (the DreamBooth LoRA), 4 MB and
+64 MB of fp32::
+
+    python -m bench.allreduce --backends gloo ccl [--rounds 5 --iters 50]
+
+It writes ``allreduce_backends-loopback.json`` into ``bench/results/`` on the machine the other
+results come from, else into ``bench/results/<machine>/`` (``xeon-amx``, ``xeon-avx512``, ...).
 """
 
 from __future__ import annotations
@@ -49,6 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--split_rounds", type=int, default=1, help="launches per layout (0: skip the split)")
     parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON: modes, result file
+    parser.add_argument(
+        "--backends", nargs="+", default=None, help="latency mode: all-reduce latency per backend (gloo ccl)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="latency mode: timed rounds per size and backend"
+    )
+    parser.add_argument("--iters", type=int, default=50, help="latency mode: all-reduces per round at 3 KB")
+    parser.add_argument("--latency_worker", default=None, help=argparse.SUPPRESS)  # JSON spec
     args = parser.parse_args(argv)
     if args.resolution is None:
         args.resolution = 64 if args.model == "tiny" else 256
@@ -56,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.latency_worker is not None:
+        return _latency_worker(json.loads(args.latency_worker))
+    if args.backends:
+        return latency(args)
     if args.worker is not None:
         return _worker(args, json.loads(args.worker))
     cores = cpu.physical_cores()
@@ -269,6 +292,174 @@ def _trainable(step) -> list[torch.nn.Parameter]:
     if isinstance(step, common.OursStep):
         return list(step.learned.parameters())
     return [step.embedding.weight]
+
+
+# --- latency mode: gloo against ccl --------------------------------------------------------------
+
+LATENCY_SIZES = [3_072, 3_188_736, 2**22, 2**26]  # bytes: TI's vector, the DreamBooth LoRA, 4 MB, 64 MB
+LATENCY_WORLD = 2
+LATENCY_TIMEOUT = 600.0  # seconds: the whole launch, and each process group's timeout
+
+
+def latency(args: argparse.Namespace) -> dict[str, Any]:
+    """All-reduce latency per backend between 2 processes on this machine; writes the JSON."""
+    from helpers.launching import oneccl
+
+    backends = list(dict.fromkeys(args.backends))
+    cores = cpu.physical_cores()
+    ccl_env = oneccl.environment(LATENCY_WORLD, 1, cores, 1) if "ccl" in backends else []
+    if "ccl" in backends:
+        ok, reason = oneccl.available()
+        if not ok:
+            raise SystemExit(f"ccl: {reason}")
+    spec = {"backends": backends, "sizes": LATENCY_SIZES, "rounds": args.rounds, "iters": args.iters}
+    with tempfile.TemporaryDirectory(prefix="bench-allreduce-latency-") as work:
+        spec["result"] = str(Path(work) / "result.json")
+        spec["port"] = _free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **{n: v for n, v, _ in ccl_env}}
+        procs = []
+        try:
+            for rank in range(LATENCY_WORLD):
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.allreduce",
+                    "--latency_worker",
+                    json.dumps({**spec, "rank": rank}),
+                ]
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=common.ROOT,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                    )
+                )
+            outputs = [p.communicate(timeout=LATENCY_TIMEOUT)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=30)
+        for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+            if p.returncode:
+                raise RuntimeError(f"rank {rank} failed:\n{out[-3000:]}")
+        runs = json.loads(Path(spec["result"]).read_text())
+    medians = {
+        b: {str(n): common.summarize(runs[b][str(n)])["median"] for n in LATENCY_SIZES} for b in backends
+    }
+    report: dict[str, Any] = {
+        "benchmark": "allreduce_backends",
+        "world_size": LATENCY_WORLD,
+        "threads_per_process": 1,
+        "rounds": args.rounds,
+        "iters_at_3kb": args.iters,
+        "bytes": LATENCY_SIZES,
+        "machine": common.machine(),
+        "ccl_provider": runs.get("ccl_provider"),
+        "ccl_environment": {n: v for n, v, _ in ccl_env},
+        "median_seconds": medians,
+        "runs_seconds": {b: runs[b] for b in backends},
+    }
+    if "gloo" in backends and "ccl" in backends:
+        report["gloo_over_ccl"] = {k: medians["gloo"][k] / medians["ccl"][k] for k in medians["gloo"]}
+    out = (
+        Path(args.out)
+        if args.out
+        else _results_folder(report["machine"]) / "allreduce_backends-loopback.json"
+    )
+    common.write_json(out, report)
+    print(format_latency(report))
+    print(f"wrote {out}")
+    return report
+
+
+def _results_folder(machine: dict[str, Any]) -> Path:
+    """``bench/results`` on the machine of the committed results, else a subfolder named after this one."""
+    from bench import report as bench_report
+
+    reference = common.RESULTS / "allreduce-sd15-shape-256px.json"
+    here = bench_report.describe_machine(machine)
+    if (
+        reference.exists()
+        and bench_report.describe_machine(json.loads(reference.read_text())["machine"]) == here
+    ):
+        return common.RESULTS
+    vendor = "epyc" if "EPYC" in machine["cpu"] else "xeon" if "Xeon" in machine["cpu"] else "cpu"
+    isa = machine["isa"]
+    level = (
+        "amx"
+        if "amx_bf16" in isa
+        else "avx512-bf16"
+        if "avx512_bf16" in isa
+        else "avx512"
+        if "avx512f" in isa
+        else "avx2"
+    )
+    return common.RESULTS / f"{vendor}-{level}"
+
+
+def format_latency(r: dict[str, Any]) -> str:
+    backends = list(r["median_seconds"])
+    lines = [
+        f"all-reduce latency, {r['world_size']} processes x 1 thread on this machine, medians of {r['rounds']} rounds (µs)",
+        f"{'bytes':>12}"
+        + "".join(f"{b:>12}" for b in backends)
+        + ("   gloo/ccl" if "gloo_over_ccl" in r else ""),
+    ]
+    for n in r["bytes"]:
+        row = f"{n:>12,}" + "".join(f"{r['median_seconds'][b][str(n)] * 1e6:>12,.0f}" for b in backends)
+        if "gloo_over_ccl" in r:
+            row += f"{r['gloo_over_ccl'][str(n)]:>10.1f}x"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def _latency_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank: every backend's all-reduce at every size, interleaved; rank 0 writes the times."""
+    import datetime
+
+    rank = spec["rank"]
+    torch.set_num_threads(1)
+    provider = None
+    if "ccl" in spec["backends"]:
+        from helpers.launching import oneccl
+
+        provider = oneccl.load()
+    timeout = datetime.timedelta(seconds=LATENCY_TIMEOUT)
+    store = dist.TCPStore(
+        "127.0.0.1", spec["port"], LATENCY_WORLD, rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=LATENCY_WORLD, timeout=timeout)
+    groups = {
+        b: dist.group.WORLD if b == "gloo" else dist.new_group(backend=b, timeout=timeout)
+        for b in spec["backends"]
+    }
+    runs: dict[str, Any] = {b: {} for b in groups}
+    try:
+        for nbytes in spec["sizes"]:
+            buffer = torch.ones(nbytes // 4)
+            iters = max(3, min(spec["iters"], spec["iters"] * 3_072 * 64 // nbytes))
+            for group in groups.values():  # warm-up: connections, buffers
+                for _ in range(2):
+                    dist.all_reduce(buffer, group=group)
+            for b in groups:
+                runs[b][str(nbytes)] = []
+            for r in range(spec["rounds"]):
+                for b in list(groups) if r % 2 == 0 else list(groups)[::-1]:
+                    dist.barrier(group=groups["gloo"] if "gloo" in groups else None)
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        dist.all_reduce(buffer, group=groups[b])
+                    runs[b][str(nbytes)].append((time.perf_counter() - start) / iters)
+    finally:
+        dist.destroy_process_group()
+    runs["ccl_provider"] = provider
+    if rank == 0:
+        common.write_json(spec["result"], runs)
+    return runs
 
 
 if __name__ == "__main__":
