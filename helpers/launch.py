@@ -321,55 +321,58 @@ def run_job(
     cwd = os.path.abspath(cwd or os.getcwd())
     status_dir, output_dir = commands[0].status_dir, commands[0].output_dir
     watcher = supervise.Watcher(supervise.prepare(status_dir)) if status_dir else None
+    # Held until this function returns or this process dies: the ranks end themselves once it is free.
+    held = supervise.hold_launcher_lock(status_dir) if status_dir else None
     log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed below
     out = _Output(stream or sys.stdout, log)
     lines: queue.Queue = queue.Queue()
     start, started_wall, procs = time.monotonic(), time.time(), []
     verdict: tuple[list[int], str] | None = None
-    try:
-        for i, cmd in enumerate(commands):
-            argv, env = _process(cmd, ssh, cwd)
-            logger.info("starting %s", shlex.join(argv))
-            p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=env, cwd=cwd, start_new_session=True)  # fmt: skip
-            procs.append(p)
-            threading.Thread(target=_pump, args=(i, p.stdout, lines), daemon=True).start()
-        open_pipes, killed, ended_at, stopped_at = len(procs), False, None, math.inf
-        while open_pipes:
-            try:
-                i, text, end = lines.get(timeout=0.2)
-                if text is None:
-                    open_pipes -= 1
-                else:
-                    out.feed(i, commands[i], text, end)
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            if watcher is not None and not killed:
-                watcher.poll(now)
-                verdict = watcher.verdict(
-                    now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in procs)
-                )
-            if out.failure_seen_at is None and any(p.poll() for p in procs):
-                out.failure_seen_at = now  # a command exited non-zero
-            overdue = out.failure_seen_at is not None and now - out.failure_seen_at > exit_grace_seconds
-            if not killed and (verdict or overdue or (timeout and now - start > timeout)):
-                why = verdict[1] if verdict else "a rank failed" if overdue else f"timeout of {timeout} s"
-                logger.warning("stopping the job: %s", why)
-                alive = [(s.status["host"], s.status["pid"]) for s in (watcher.ranks.values() if watcher else [])
-                         if s.alive and "pid" in s.status]  # fmt: skip
-                supervise.stop(procs, ranks=alive, ssh=ssh)
-                killed, stopped_at = True, now
-            if all(p.poll() is not None for p in procs):
-                ended_at = ended_at or now
-                if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
-                    break
-    except BaseException:
-        supervise.stop(procs)  # KeyboardInterrupt in a notebook must not leave ranks running
-        raise
-    finally:
-        if log:
-            log.close()
+    with supervise.signals_interrupt():  # TERM (a scheduler, kill) and HUP stop the job as Ctrl-C does
+        try:
+            for i, cmd in enumerate(commands):
+                argv, env = _process(cmd, ssh, cwd)
+                logger.info("starting %s", shlex.join(argv))
+                p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+                procs.append(p)
+                threading.Thread(target=_pump, args=(i, p.stdout, lines), daemon=True).start()
+            open_pipes, killed, ended_at, stopped_at = len(procs), False, None, math.inf
+            while open_pipes:
+                try:
+                    i, text, end = lines.get(timeout=0.2)
+                    if text is None:
+                        open_pipes -= 1
+                    else:
+                        out.feed(i, commands[i], text, end)
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                if watcher is not None and not killed:
+                    watcher.poll(now)
+                    verdict = watcher.verdict(
+                        now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in procs)
+                    )
+                if out.failure_seen_at is None and any(p.poll() for p in procs):
+                    out.failure_seen_at = now  # a command exited non-zero
+                overdue = out.failure_seen_at is not None and now - out.failure_seen_at > exit_grace_seconds
+                if not killed and (verdict or overdue or (timeout and now - start > timeout)):
+                    why = verdict[1] if verdict else "a rank failed" if overdue else f"timeout of {timeout} s"
+                    logger.warning("stopping the job: %s", why)
+                    supervise.stop(procs, ranks=_alive_ranks(watcher), ssh=ssh)
+                    killed, stopped_at = True, now
+                if all(p.poll() is not None for p in procs):
+                    ended_at = ended_at or now
+                    if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
+                        break
+        except BaseException:  # Ctrl-C, TERM, HUP, an error here: the ranks must not run on
+            supervise.stop(procs, ranks=_alive_ranks(watcher), ssh=ssh)
+            raise
+        finally:
+            if held is not None:
+                os.close(held)  # after stop(): a rank that sees it free now has been told already
+            if log:
+                log.close()
     for p in procs:
         p.wait()
     code = next((p.returncode for p in procs if p.returncode), 0)
@@ -391,6 +394,12 @@ def run_job(
             out.errors, out.first_traceback, "\n".join(out.launcher_lines)
         )
     return result
+
+
+def _alive_ranks(watcher: supervise.Watcher | None) -> list[tuple[str, int]]:
+    """``(host, pid)`` of every rank that has not exited, as their status files say."""
+    states = watcher.ranks.values() if watcher else []
+    return [(s.status["host"], s.status["pid"]) for s in states if s.alive and "pid" in s.status]
 
 
 def prepare_job(
@@ -625,7 +634,15 @@ def main(args: argparse.Namespace) -> int:
             where = "on the head node" if cmd.host is None else f"on node {cmd.node_rank} ({cmd.host})"
             print(f"# {args.launcher}, {where}, from {os.getcwd()}:\n{cmd.shell()}")
         return 0
-    result = run_job(commands, exit_grace_seconds=args.exit_grace_seconds, stall_seconds=args.stall_seconds)
+    try:
+        result = run_job(
+            commands, exit_grace_seconds=args.exit_grace_seconds, stall_seconds=args.stall_seconds
+        )
+    except KeyboardInterrupt as stop:  # Ctrl-C, TERM or HUP: run_job has stopped every rank
+        print(f"error: interrupted ({stop or 'Ctrl-C'}); every rank was stopped. The run is not finished: "
+              "run the same command with --resume_from_checkpoint latest to go on from its last checkpoint",
+              file=sys.stderr)  # fmt: skip
+        return 130
     if not result.ok or result.supervision:  # one message; a warning when the outputs are complete
         print(f"{'error' if not result.ok else 'warning'}: {result.message()}", file=sys.stderr)
     return result.returncode

@@ -469,7 +469,7 @@ def _connect(args: argparse.Namespace, runtime: _Runtime) -> None:
             ) from None
         raise
     runtime.init_seconds = time.monotonic() - start
-    signal.signal(signal.SIGTERM, _interrupt)  # ray.init put its own (sys.exit) in place of ours
+    signal.signal(signal.SIGTERM, supervise.interrupt)  # ray.init put its own (sys.exit) in place of ours
 
 
 def _cluster_versions(text: str) -> str:
@@ -666,17 +666,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(args: argparse.Namespace) -> int:
     """Connect, check, train, and end the runtime whatever happens; return the exit code."""
     for name, value in DRIVER_ENV.items():
         os.environ[name] = value
     if args.ray_address is None:  # a private runtime: a token for this run only, nothing in ~/.ray
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-    signal.signal(signal.SIGTERM, _interrupt)  # helpers.launch stops a job with TERM: clean up first
+    signal.signal(signal.SIGTERM, supervise.interrupt)  # helpers.launch stops a job with TERM: clean up first
+    supervise.follow_launcher(args.status_dir)  # a launcher killed outright: TERM, so the same clean-up
     runtime, graceful = _runtime(args), True
     why = f"Ray did not start within {INIT_SECONDS:g} s"
     watchdog = threading.Timer(INIT_SECONDS, _give_up, args=(why, runtime))

@@ -15,6 +15,13 @@ at the same path, ``<output_dir>/launch/status``) and each rank of ``helpers.tra
 :func:`stop` ends a job: TERM, then KILL, to the launchers' process trees here and to the ranks
 on other hosts (their host and pid come from the status files) over ssh.
 
+The launcher holds an exclusive ``flock`` on ``launcher.lock`` in the same folder for the whole
+job (:func:`hold_launcher_lock`), and every rank follows it (:func:`start` starts a thread that looks
+once a second): when the lock is free, the launcher is gone, however it ended (SIGKILL of a restarted
+notebook kernel included), and the rank sends itself SIGTERM. So no rank outlives its launcher by
+more than about a second, and none goes on to write ``run_summary.json`` as if the run had finished;
+its last complete checkpoint stays, and the run resumes from it.
+
 A rank that is not a process of its own (a Ray Train worker runs the engine inside a long-lived
 actor) calls :func:`finish` when its training function ends, which frees the lock as an exit
 would; :func:`add_listener` lets such a rank see every beat (e.g. to report each step to Ray).
@@ -22,6 +29,7 @@ would; :func:`add_listener` lets such a rank see every beat (e.g. to report each
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -29,8 +37,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +51,8 @@ from helpers.outputs import SUMMARY
 
 STATUS_DIR_ENV = "WORKSHOP_STATUS_DIR"
 WAITING = "waiting"
+LAUNCHER_LOCK = "launcher.lock"
+FOLLOW_SECONDS = 1.0  # how often a rank looks whether its launcher still holds its lock
 
 
 def rank_from_env() -> int | None:
@@ -64,6 +75,7 @@ class _Reporter:
 
 
 _reporter: _Reporter | None = None
+_finished = threading.Event()
 Listener = Callable[[str, int | None], None]  # (state, step)
 _listeners: list[Listener] = []
 
@@ -80,6 +92,28 @@ def start() -> None:
     fcntl.flock(fd, fcntl.LOCK_EX)
     _reporter = _Reporter(Path(folder), rank, fd)
     beat("started")
+    follow_launcher(folder)
+
+
+def follow_launcher(folder: str | os.PathLike) -> None:
+    """If a launcher holds ``launcher.lock`` in ``folder``: SIGTERM this process once it is free.
+
+    A thread looks every :data:`FOLLOW_SECONDS`; :func:`finish` stops it. Ranks call this through
+    :func:`start`; the Ray driver, which is not a rank, calls it itself.
+    """
+    launcher = Path(folder) / LAUNCHER_LOCK
+    if launcher.exists():
+        _finished.clear()
+        threading.Thread(target=_follow, args=(launcher,), name="follow-launcher", daemon=True).start()
+
+
+def _follow(launcher: Path) -> None:
+    """End this process (SIGTERM) once the launcher's lock is free, unless the rank has finished."""
+    while _lock_held(launcher):
+        if _finished.wait(FOLLOW_SECONDS):
+            return
+    if not _finished.is_set():
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def beat(state: str, step: int | None = None) -> None:
@@ -104,6 +138,7 @@ def finish() -> None:
     stop reporting. A no-op unless :func:`start` took the lock."""
     global _reporter
     r, _reporter = _reporter, None
+    _finished.set()  # a launcher that ends after this rank must not stop its process (a Ray actor)
     if r is not None:
         os.close(r.lock_fd)  # closing the only descriptor releases the flock
 
@@ -170,6 +205,42 @@ def _alive(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def hold_launcher_lock(folder: str | os.PathLike) -> int:
+    """Take the launcher's lock in the status folder; its ranks end once it is free (:func:`start`).
+
+    Returns:
+        The descriptor: close it when the job has ended (the kernel frees it anyway when this
+        process is gone). It is not inherited by the commands started after it.
+    """
+    fd = os.open(Path(folder) / LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def interrupt(signum: int, frame: object) -> None:
+    """A signal handler that raises :class:`KeyboardInterrupt` naming the signal."""
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+
+@contextlib.contextmanager
+def signals_interrupt(signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """Within the block, TERM and HUP raise :class:`KeyboardInterrupt` as Ctrl-C does.
+
+    A scheduler's time limit, ``kill`` or a closed terminal then goes through the same clean-up as
+    Ctrl-C (the job is stopped, never orphaned). Outside the main thread, where Python cannot set
+    handlers, the block runs unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, interrupt) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def prepare(folder: str | os.PathLike) -> Path:

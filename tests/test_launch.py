@@ -6,6 +6,7 @@ that the ranks agree bitwise and that 2 processes x batch 1 make the same update
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -495,3 +496,65 @@ def test_a_rank_that_stops_making_steps_is_named_and_the_job_stopped(tmp_path, c
     ]
     status = json.loads((out / "launch" / "status" / "rank0.json").read_text())
     assert (status["state"], status["step"]) == ("waiting", 3)
+
+
+# --- the launcher's own end ------------------------------------------------------------------------
+
+
+def _rank_pids(status: Path) -> list[int]:
+    found = []
+    for path in status.glob("rank*.json"):
+        try:
+            found.append(json.loads(path.read_text())["pid"])
+        except (json.JSONDecodeError, KeyError):
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launcher, sig",
+    [
+        ("mpirun", signal.SIGKILL),
+        ("torchrun", signal.SIGKILL),
+        ("ray", signal.SIGKILL),
+        ("mpirun", signal.SIGTERM),
+        ("torchrun", signal.SIGHUP),
+    ],  # fmt: skip
+)
+def test_no_rank_outlives_its_launcher_however_it_ends(tmp_path, launcher, sig):
+    """``python -m helpers.launch`` training 2 ranks is killed outright (a restarted notebook
+    kernel), terminated (a scheduler's limit) or hung up (a closed terminal) mid-run: every rank
+    is gone within a few seconds, and the run is not marked finished (no ``run_summary.json``)."""
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "helpers.launch", "--launcher", launcher, "--nproc_per_node", "2",
+            "--threads_per_process", "1", "--main_process_port", str(d.free_port()), "--",
+            *train_args(out, steps=100_000)]  # fmt: skip
+    # Rank 0 goes silent after step 2 (rank 1 then waits in the all-reduce): no output reaches
+    # the launcher's pipes, so nothing but the launcher's lock can tell the ranks it is gone.
+    env = dict(os.environ, **{faults.STALL: "0:2"})
+    job = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True, env=env)  # fmt: skip
+    status, deadline = out / "launch" / "status", time.monotonic() + 240
+    try:
+        while len(_rank_pids(status)) < 2 or json.loads((status / "rank0.json").read_text()).get("step") != 2:
+            assert job.poll() is None, job.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "rank 0 did not reach step 2 within 240 s"
+            time.sleep(0.5)
+        time.sleep(2.0)  # both ranks silent now
+        ranks = [psutil.Process(pid) for pid in _rank_pids(status)]
+        job.send_signal(sig)
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"ranks still running 10 s after {sig.name} to the launcher: {alive}"
+        assert job.wait(timeout=30) != 0
+        if sig != signal.SIGKILL:  # the launcher itself said what happened and how to go on
+            err = job.stderr.read()
+            assert f"error: interrupted ({sig.name} received); every rank was stopped" in err
+            assert "--resume_from_checkpoint latest" in err
+        assert not (out / "run_summary.json").exists()
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        for pid in _rank_pids(status):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
