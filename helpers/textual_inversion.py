@@ -38,6 +38,7 @@ from helpers.engine.checkpoints import (
     checkpoint_step,
     list_checkpoints,
     load_history,
+    load_state,
     prune_checkpoints,
     resolve_checkpoint,
     save_checkpoint,
@@ -258,7 +259,7 @@ def resume(run: Run, ckpt: Path | None) -> int:
     if ckpt is None:
         return 0
     check_not_past_the_end(ckpt, run.max_steps)  # max_steps may come from num_train_epochs
-    run.accelerator.load_state(str(ckpt))
+    load_state(run.accelerator, ckpt)
     step = checkpoint_step(ckpt)
     logger.info(f"resumed from {ckpt} at step {step}", main_process_only=True)
     return step

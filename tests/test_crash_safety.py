@@ -457,3 +457,38 @@ def test_json_records_are_strict(tmp_path):
     assert not path.exists() and list(tmp_path.iterdir()) == []
     ti.write_json(path, {"final_loss": None, "steps": 4})
     assert json.loads(path.read_text(), parse_constant=pytest.fail) == {"final_loss": None, "steps": 4}
+
+
+class _Payload:
+    """Unpickling this runs ``touch <marker>``: what a planted checkpoint file would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("damage", ["planted", "truncated"])
+def test_a_damaged_or_planted_checkpoint_file_is_one_line_and_runs_nothing(damage, reference, tmp_path):
+    """A checkpoint whose ``optimizer.bin`` was replaced by a code-running pickle, or cut short:
+    resuming it is one line naming the checkpoint and the fix (exit 2), and the payload never runs."""
+    import shutil
+
+    out, marker = tmp_path / "out", tmp_path / "payload-ran"
+    shutil.copytree(reference.output_dir, out)
+    optimizer = out / "checkpoints" / "checkpoint-4" / "optimizer.bin"
+    if damage == "planted":
+        torch.save({"state": _Payload(marker)}, optimizer)
+    else:
+        optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    flags = _flags(settings(out, max_train_steps=6, resume_from_checkpoint="latest"))
+    result = subprocess.run([sys.executable, "-m", "helpers.train", *flags], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: checkpoint {out / 'checkpoints' / 'checkpoint-4'} cannot be loaded: ")
+    assert line.endswith(
+        "Fix: remove that folder to resume from the checkpoint before it, or start in a new --output_dir"
+    )
+    assert not marker.exists()

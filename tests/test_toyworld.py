@@ -8,6 +8,7 @@ asserted on the records of notebooks 02 and 04 (tests/test_notebooks.py, tests/t
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from helpers import models
+from helpers.errors import InputError
 from helpers.toyworld import build, evaluate, world
 from helpers.toyworld.judge import HEADS, Judge, judge_images, load_judge
 
@@ -110,7 +112,7 @@ def test_a_few_build_steps_resume_to_the_same_weights_and_load_in_stock_diffuser
     with pytest.raises(KeyboardInterrupt):
         build.build(cfg)
     assert not (tmp_path / "resumed").exists()  # no half-built model
-    assert torch.load(tmp_path / "resumed.build" / "generator.pt", weights_only=False)["step"] == 2
+    assert torch.load(tmp_path / "resumed.build" / "generator.pt", weights_only=True)["step"] == 2
     monkeypatch.setattr(build._Phase, "save", real_save)
     resumed = build.build(cfg)
     assert not (tmp_path / "resumed.build").exists()
@@ -127,6 +129,24 @@ def test_a_few_build_steps_resume_to_the_same_weights_and_load_in_stock_diffuser
     assert (
         pipe.vae.config.scaling_factor > 0 and pipe.vae.config.scaling_factor != 0.18215
     )  # measured, not SD's
+
+
+def test_a_planted_file_in_the_build_folder_is_refused_and_runs_nothing(tmp_path):
+    """``<output_dir>.build/scenes.pt`` replaced by a pickle that would run ``touch``: the build
+    refuses it with one line naming the file and the fix, and the payload never runs."""
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'payload-ran'}",))
+
+    work = tmp_path / "m.build"
+    work.mkdir()
+    cfg = build.BuildConfig(output_dir=str(tmp_path / "m"), **TINY_BUILD)
+    torch.save({"num_scenes": Payload()}, work / "scenes.pt")
+    with pytest.raises(InputError, match=r"scenes\.pt cannot be loaded: it is damaged or not plain tensors .*"
+                       r"Fix: delete it to redo that phase of the build$"):  # fmt: skip
+        build.build(cfg)
+    assert not (tmp_path / "payload-ran").exists()
 
 
 def test_a_build_with_other_settings_refuses_to_resume_an_interrupted_one(tmp_path):

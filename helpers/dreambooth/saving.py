@@ -19,9 +19,9 @@ from accelerate.logging import get_logger
 from helpers import supervise
 from helpers.dreambooth import class_images
 from helpers.dreambooth.lora import LORA_WEIGHTS, copy_lora_weights, read_lora_file, save_lora_weights
+from helpers.engine.checkpoints import load_state, resolve_checkpoint
 from helpers.files import move_dir_into_place, replace_dir_atomic, save_image_atomic, write_text_atomic
 from helpers.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, PIPELINE_DIR, SAMPLES, SUMMARY
-from helpers.textual_inversion import resolve_checkpoint
 
 if TYPE_CHECKING:
     from helpers.dreambooth.training import Run
@@ -53,7 +53,7 @@ def resume(run: Run) -> tuple[int, list[dict]]:
     ckpt = resolve_checkpoint(run.output_dir, run.config.resume_from_checkpoint)
     state, _ = read_lora_file(ckpt / LORA_WEIGHTS)
     copy_lora_weights(state, run.unet, run.trained_text_encoder)
-    run.accelerator.load_state(str(ckpt))
+    load_state(run.accelerator, ckpt)
     step = int(ckpt.name.split("-")[1])
     logger.info(f"resumed from {ckpt} at step {step}", main_process_only=True)
     return step, _load_history(run.output_dir, step)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from helpers import files
 from helpers.engine import TrainingInputError
 from helpers.engine.saving import save_learned_embeds, write_json
+from helpers.errors import one_line
 from helpers.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, TRAIN_CONFIG
 
 _NAME = re.compile(r"checkpoint-(\d+)")
@@ -69,6 +71,23 @@ def resolve_checkpoint(output_dir: Path, resume_from_checkpoint: str) -> Path:
             f"Fix: pass a checkpoint the run saved, or 'latest'."
         )
     return path
+
+
+def load_state(accelerator, ckpt: Path) -> None:
+    """accelerate's ``load_state`` of ``ckpt``; a file it refuses or cannot read is one line.
+
+    accelerate unpickles with ``weights_only=True``, so a planted payload is refused, not run; a
+    refused, truncated or otherwise unreadable file becomes a :class:`TrainingInputError` naming
+    the checkpoint and the fix instead of a traceback.
+    """
+    try:
+        accelerator.load_state(str(ckpt))
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
+        reason = one_line(err).split("; ")[0][:200]
+        raise TrainingInputError(
+            f"checkpoint {ckpt} cannot be loaded: a file in it is damaged or not plain tensors ({reason}). "
+            "Fix: remove that folder to resume from the checkpoint before it, or start in a new --output_dir"
+        ) from None
 
 
 def save_checkpoint(

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import shlex
 import shutil
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from helpers import cpu
-from helpers.errors import InputError
+from helpers.errors import InputError, one_line
 from helpers.files import replace_dir_atomic, write_path_atomic, write_text_atomic
 from helpers.models import TINY_TEXT_CONFIG
 from helpers.toyworld import world
@@ -122,7 +123,20 @@ class _Phase:
         self._since = time.perf_counter()
 
     def load(self) -> dict | None:
-        return torch.load(self.path, weights_only=False) if self.path.exists() else None
+        """The phase's saved state (None if there is none); plain tensors and numbers only.
+
+        ``weights_only=True``: the folder is on disk beside the output, and a file planted there
+        must not run code. A file refused or unreadable is one line naming it and the fix.
+        """
+        if not self.path.exists():
+            return None
+        try:
+            return torch.load(self.path, weights_only=True)
+        except (pickle.UnpicklingError, EOFError, RuntimeError) as err:
+            raise InputError(
+                f"{self.path} cannot be loaded: it is damaged or not plain tensors ({one_line(err).split('; ')[0][:160]}). "
+                "Fix: delete it to redo that phase of the build"
+            ) from None
 
     def save(self, state: dict) -> None:
         now = time.perf_counter()
