@@ -138,6 +138,13 @@ def _rank_main(spec: dict) -> int:
             gloo = dist.new_group(backend="gloo")
             result["checks"], result["failures"] = _checks(dist, torch, rank, world, None, gloo)
             dist.destroy_process_group()
+            # A second group on the same store (same name) starts afresh.
+            dist.init_process_group("ccl", store=store, rank=rank, world_size=world, timeout=timeout)
+            x = torch.full((5,), rank + 1, dtype=torch.int64)
+            dist.all_reduce(x)
+            if x.tolist() != [world * (world + 1) // 2] * 5:
+                result["failures"].append(f"all_reduce after re-initialising gave {x.tolist()}")
+            dist.destroy_process_group()
         elif spec["mode"] == "killed":
             x = torch.ones(768)
             for i in range(1_000_000):

@@ -194,6 +194,9 @@ def build(verbose: bool = False) -> Path:
     built = _built(folder, name)
     if not built:
         raise CclUnavailable(f"the ccl extension was built but no {name}.so is in {folder}")
+    for old in CACHE.iterdir():  # builds for an earlier source, torch or oneCCL
+        if old.is_dir() and old != folder:
+            shutil.rmtree(old, ignore_errors=True)
     return built
 
 
@@ -286,7 +289,7 @@ def available() -> tuple[bool, str]:
         return False, f"the ccl backend's libraries do not load ({err}): {FIX}"
     if which == OFFICIAL:
         return True, f"ccl from {OFFICIAL}"
-    return True, f"ccl from this workshop's extension over oneCCL {oneccl_version()}"
+    return True, f"ccl from this workshop's extension over oneCCL {find().version}"
 
 
 def oneccl_version() -> str:

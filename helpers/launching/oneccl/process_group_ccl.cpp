@@ -136,11 +136,15 @@ class ProcessGroupCCL : public c10d::Backend {
     static std::once_flag init_once;
     std::call_once(init_once, [] { ccl::init(); });
     const auto deadline = Clock::now() + timeout_;
-    check_in(store, deadline);
+    // Keys of this creation only: a group made again on the same Store (same name) must not read
+    // the previous one's count or address. Ranks create groups in the same order, so they agree.
+    const std::string prefix =
+        "ccl/" + std::to_string(store->add("ccl/created_by_rank_" + std::to_string(rank), 1)) + "/";
+    check_in(store, prefix + "joined", deadline);
 
     // Rank 0 opens oneCCL's main key-value store; its address travels through the c10d Store.
     std::shared_ptr<ccl::kvs> kvs;
-    const std::string key = "ccl/kvs_address";
+    const std::string key = prefix + "kvs_address";
     try {
       if (rank == 0) {
         kvs = ccl::create_main_kvs();
@@ -343,8 +347,7 @@ class ProcessGroupCCL : public c10d::Backend {
 
  private:
   // Every rank adds itself to a counter on the Store, then waits (bounded) for all of them.
-  void check_in(const c10::intrusive_ptr<c10d::Store>& store, Clock::time_point deadline) {
-    const std::string key = "ccl/joined";
+  void check_in(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, Clock::time_point deadline) {
     int64_t joined = store->add(key, 1);
     auto pause = Millis(1);
     while (joined < getSize()) {
