@@ -151,7 +151,11 @@ def mend_libccl(ccl: OneCCL, folder: Path) -> Path:
     ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if done.returncode:
-        raise CclUnavailable(f"building the libccl.so.2 mend failed: {done.stderr.strip()[-300:]}")
+        err = " ".join(done.stderr.split())[-300:] or "no message"
+        raise CclUnavailable(
+            f"building the libccl.so.2 mend with {cc} failed (exit {done.returncode}: {err}): "
+            f"check the C compiler, then {FIX}"
+        )
     tmp.replace(out)
     return out
 
