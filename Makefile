@@ -20,7 +20,7 @@ $(VENV)/.setup-done: requirements.txt requirements-nodeps.txt pyproject.toml
 	@# optimum-intel requires an unpinned torchvision that breaks the CPU torch: no dependencies.
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PY) -m helpers.environment
+	$(PY) -m helpers.core.environment
 	@# The ccl backend for torch.distributed (helpers.launching.oneccl, about a minute, once); if it cannot be built, gloo is used and its tests skip saying why.
 	$(PY) -m helpers.launching.oneccl build || echo "note: the ccl backend was not built (the line above says why); the rest works with gloo"
 	touch $@
@@ -40,9 +40,9 @@ $(IPEX_VENV)/.setup-done: requirements-ipex.txt pyproject.toml
 
 # Debian programs some tests need: Open MPI and MPICH (the launcher with each MPI flavour),
 # Chromium (handouts opened in a real browser, PDF handouts), Graphviz (the diagrams' sources),
-# sshd and ip (two "hosts" made of network namespaces, tests/test_netns.py).
+# sshd and ip (two "hosts" made of network namespaces, tests/launching/test_netns.py).
 # Installed when missing if this is root with apt-get; otherwise those tests skip and say why.
-DEBIAN_PACKAGES := openmpi-bin mpich chromium graphviz openssh-server iproute2
+DEBIAN_PACKAGES := openmpi-bin mpich chromium chromium-driver graphviz openssh-server iproute2
 system-packages:
 	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then exit 0; fi; \
@@ -53,11 +53,11 @@ system-packages:
 	else echo "note: missing" $$missing "(install them as root) - the tests that need them will be skipped"; fi
 
 demo: setup
-	$(PY) -m helpers.notebooks --out build --html
+	$(PY) -m helpers.workshop.notebooks --out build --html
 
 # PDF handouts too (headless Chromium), from the notebooks `make demo` executed into build/.
 handouts: demo system-packages
-	$(PY) -m helpers.handouts build --pdf
+	$(PY) -m helpers.workshop.handouts build --pdf
 
 test: setup system-packages
 	$(PY) -m pytest -q

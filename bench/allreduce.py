@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from bench import common
-from helpers import cpu
-from helpers import textual_inversion as ti
+from helpers.core import cpu
+from helpers.training import textual_inversion as ti
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

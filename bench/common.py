@@ -2,7 +2,7 @@
 
 Two ways to run a textual-inversion step on the same modules, so both are timed in one process:
 
-* :class:`OursStep`: the engine's own step, :func:`helpers.textual_inversion.training_step`
+* :class:`OursStep`: the engine's own step, :func:`helpers.training.textual_inversion.training_step`
   (the function ``train`` calls once per optimisation step): only the new rows are parameters,
   latents come from the cache.
 * :class:`ReferenceStep`: the approach of diffusers' ``examples/textual_inversion``: the whole
@@ -35,10 +35,11 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from helpers import cpu, data, models
-from helpers import textual_inversion as ti
-from helpers.engine import attention, prepack
-from helpers.files import write_text_atomic
+from helpers.core import cpu
+from helpers.core.files import write_text_atomic
+from helpers.training import data, models
+from helpers.training import textual_inversion as ti
+from helpers.training.engine import attention, prepack
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -67,7 +68,7 @@ def _packed_linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> i
 
 # torch's FLOP counter has no formula for the CPU flash-attention kernels (SDPA all the same), nor
 # for oneDNN's convolution and linear ops that the engine's prepacked layers call
-# (helpers.engine.prepack), forward and input gradient alike: the same FLOPs as the aten ops they replace.
+# (helpers.training.engine.prepack), forward and input gradient alike: the same FLOPs as the aten ops they replace.
 CPU_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
@@ -271,7 +272,7 @@ def machine() -> dict[str, Any]:
     import diffusers
     import transformers
 
-    from helpers import cpu
+    from helpers.core import cpu
 
     rep = cpu.report()
     return {
@@ -408,7 +409,7 @@ class PhaseTimer:
 
 
 class OursStep:
-    """The engine's own step, :func:`helpers.textual_inversion.training_step`, on these modules.
+    """The engine's own step, :func:`helpers.training.textual_inversion.training_step`, on these modules.
 
     Only the new rows train and the latents come from the cache (the VAE encoder ran once, here).
     ``learned`` and ``unet`` may be swapped (a DDP wrapper, a compiled UNet): the step uses the
@@ -586,14 +587,14 @@ def run_engine(
 ) -> dict[str, float]:
     """Run the real engine, ``train(config)``, for ``steps`` steps; its speed and memory.
 
-    ``malloc_tuning=False`` runs it without :func:`helpers.cpu.keep_freed_memory` (glibc's defaults).
+    ``malloc_tuning=False`` runs it without :func:`helpers.core.cpu.keep_freed_memory` (glibc's defaults).
 
     Returns:
         ``seconds_per_step`` (median of the steps after the first), ``peak_rss_mib`` (whole
         process) and ``training_peak_rss_mib`` (peak since the weights were loaded: the mark is
         reset just before the engine caches the latents).
     """
-    from helpers.config import TrainConfig
+    from helpers.training.config import TrainConfig
 
     config = TrainConfig(
         pretrained_model_name_or_path=str(model_dir(model)),

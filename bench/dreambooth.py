@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from bench import common
-from helpers import cpu
-from helpers.engine import prepack
+from helpers.core import cpu
+from helpers.training.engine import prepack
 
 CLASS_PROMPT, INSTANCE_PROMPT = "a photo of a toy", "a photo of sks toy"
 
@@ -319,8 +319,8 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     The peak-RSS mark is reset once the weights are loaded (for ours, in the trainer's setup just
     before the latents are cached, which counts as training).
     """
-    from helpers import models
     from helpers.dreambooth import training
+    from helpers.training import models
 
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="bench-dreambooth-child-") as work:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common, startup
-from helpers import cpu
+from helpers.core import cpu
 
 MODES = ("ours", "ours_warm", "reference")
 PLACEHOLDER, INITIALIZER, SEED = "<dicoo>", "toy", 7  # as in the guides' command
@@ -88,8 +88,8 @@ def reference(argv: list[str]) -> dict[str, Any]:
     from diffusers import StableDiffusionPipeline
     from tqdm.auto import tqdm
 
-    from helpers import models
-    from helpers.config import parse_args as train_args
+    from helpers.training import models
+    from helpers.training.config import parse_args as train_args
 
     config = train_args(argv)
     cpu.set_threads(None)  # the same thread count as the engine

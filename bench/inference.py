@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from bench import common
-from helpers import cpu, inference
+from helpers import inference
+from helpers.core import cpu
 
 TOKEN = "<bench>"
 INT8_BF16 = "openvino_static_int8_bf16"  # int8 weights, bf16 compute: only where bf16 is native

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers import outputs
+from helpers.core import outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,6 +107,6 @@ def run_job(
 
 
 def _lock_held(path: Path) -> bool:
-    from helpers import supervise
+    from helpers.launching import supervise
 
     return supervise._lock_held(path)

@@ -5,10 +5,10 @@
 
 In-process options are switched on and off on the same modules, interleaved step by step with
 the engine's step without them (everything else as the engine has it, including
-``helpers.cpu.keep_freed_memory``): ``channels_last``, the attention kernel (``attention_math``:
+``helpers.core.cpu.keep_freed_memory``): ``channels_last``, the attention kernel (``attention_math``:
 SDPA's math backend, ``attention_classic``: diffusers' ``AttnProcessor``, baddbmm + softmax;
 ``attention_by_size``: the engine's bf16 choice, classic for small score matrices, against SDPA),
-``flush_denormal``, ``prepacked_convs`` (the engine's ``prepack_convs``, :mod:`helpers.engine.prepack`;
+``flush_denormal``, ``prepacked_convs`` (the engine's ``prepack_convs``, :mod:`helpers.training.engine.prepack`;
 ``prepacked_convs_forward`` / ``_backward`` keep one direction's copy only), ``prepacked_linears``
 (the engine's ``prepack_linears``), ``prepacked_text_encoder`` (the same flag's packing of the
 text encoder's frozen linear layers, which the placeholder's gradient flows back through),
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from bench import common
-from helpers import cpu
-from helpers.engine import attention, prepack
+from helpers.core import cpu
+from helpers.training.engine import attention, prepack
 
 ALLOCATORS = {
     "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",

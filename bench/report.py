@@ -15,7 +15,7 @@ from typing import Any
 
 from bench import common, end_to_end, optimisations, startup, step_ops
 from helpers import inference
-from helpers.files import write_text_atomic
+from helpers.core.files import write_text_atomic
 
 README = common.ROOT / "README.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -34,13 +34,13 @@ OPTION_NOTES = {
     "attention_math": "SDPA math backend instead of the CPU flash kernel",
     "attention_classic": "diffusers `AttnProcessor` (baddbmm + softmax) instead of SDPA",
     "attention_by_size": "the classic processor up to 1024 x 1024 scores per head, SDPA above "
-    "(`helpers/engine/attention.py`), against SDPA everywhere",
+    "(`helpers/training/engine/attention.py`), against SDPA everywhere",
     "flush_denormal": "`torch.set_flush_denormal(True)`",
     "prepacked_convs": "conv weights laid out for oneDNN once, forward and input gradient "
-    "(`helpers/engine/prepack.py`); two copies of them, which replace the dense weights: +2.2 GiB fp32, "
+    "(`helpers/training/engine/prepack.py`); two copies of them, which replace the dense weights: +2.2 GiB fp32, "
     "+1.1 GiB bf16",
     "prepacked_linears": "linear-layer weights laid out for oneDNN once, forward and input gradient "
-    "(`helpers/engine/prepack.py`); two copies of them, which replace the dense weights: +1.0 GiB fp32, "
+    "(`helpers/training/engine/prepack.py`); two copies of them, which replace the dense weights: +1.0 GiB fp32, "
     "+0.5 GiB bf16",
     "prepacked_text_encoder": "the text encoder's frozen linear layers laid out once too (its bf16 "
     "runs compute on bf16 copies of its fp32 weights instead of autocast casting them every step)",
@@ -179,7 +179,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                     + f" ({r['split']['speedup_of_processes']:.2f}x).",
                 ]
     for k, r in results.items():
-        if k.startswith("scaling-"):  # bench/scaling.py: the calibration of helpers.scaling
+        if k.startswith("scaling-"):  # bench/scaling.py: the calibration of helpers.cluster.scaling
             seconds = dict(zip(r["bytes"], r["median_seconds"], strict=True))
             out += [
                 "",

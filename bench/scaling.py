@@ -6,8 +6,8 @@
 Starts ``--world_size`` processes (gloo over 127.0.0.1, one thread each) that all-reduce fp32
 buffers of each size in turn; rank 0's median per size is kept. The sizes include the two that
 matter: our 3,072 bytes per step and the reference's 151,784,448 (SD v1.5's whole token-embedding
-matrix). ``helpers.scaling.fit_link`` then fits the ring model
-``2 (p - 1) x (latency + bytes / p / bandwidth)`` to the medians; ``helpers.scaling.LOOPBACK``
+matrix). ``helpers.cluster.scaling.fit_link`` then fits the ring model
+``2 (p - 1) x (latency + bytes / p / bandwidth)`` to the medians; ``helpers.cluster.scaling.LOOPBACK``
 holds the fit (a test keeps the two equal).
 """
 
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.worker is not None:
         return _worker(json.loads(args.worker))
-    from helpers import plots, scaling
+    from helpers.cluster import scaling
+    from helpers.workshop import plots
 
     if args.figure:
         path = plots.save_figure(scaling.figure(), args.figure)

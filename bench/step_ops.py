@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import common
-from helpers import cpu
+from helpers.core import cpu
 
 # First match wins; names are profiler keys ("aten::mkldnn_convolution") or FLOP-counter ops ("convolution").
 FAMILIES = (

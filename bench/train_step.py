@@ -3,13 +3,13 @@
     python -m bench.train_step --model sd15-shape --resolution 256 --batch 1 --steps 4
 
 In one process, after warm-up, runs ``--steps`` steps of each mode interleaved (A B, B A, ...):
-``ours`` (the engine's own ``helpers.textual_inversion.training_step``: only the new rows train,
+``ours`` (the engine's own ``helpers.training.textual_inversion.training_step``: only the new rows train,
 cached latents) and ``reference`` (diffusers' example: the whole embedding matrix in AdamW with
 rows restored, the VAE encoder in every step).
 Prints seconds per step, images per second, the ratio, a per-phase breakdown, and the fraction
 of the FLOP bound (FLOPs counted by ``torch.utils.flop_counter``, divided by this machine's
 fp32 GEMM speed measured in the same run). Peak RSS is measured fairly in two fresh child
-processes, one per mode: ``ours`` runs the real ``helpers.textual_inversion.train``.
+processes, one per mode: ``ours`` runs the real ``helpers.training.textual_inversion.train``.
 
     .venv-ipex/bin/python -m bench.train_step --ipex --model sd15-shape --mixed_precision bf16
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from helpers import cpu
+from helpers.core import cpu
 
 PHASES = (
     "inputs",

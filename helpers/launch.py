@@ -7,14 +7,14 @@
     python -m helpers.launch --launcher ray --nproc_per_node 2 [--num_nodes M] \\
         [--ray_address auto|HOST:PORT] -- <helpers.train flags>
 
-builds the commands with :mod:`helpers.distributed` (mpirun: one command on the head node;
+builds the commands with :mod:`helpers.launching.distributed` (mpirun: one command on the head node;
 torchrun: one per node, the others started over ssh; ray: one Ray Train driver,
-:mod:`helpers.ray_launch`, whose workers Ray places), streams rank 0's output, and returns the
+:mod:`helpers.launching.ray_train`, whose workers Ray places), streams rank 0's output, and returns the
 job's exit code. The hostfile and accelerate configs go to ``<output_dir>/launch/`` (``--work_dir``),
 and under torchrun each node's rank logs to ``<work_dir>/torchrun/``.
 
 Supervision to the end: every rank of ``helpers.train`` reports to ``<work_dir>/status``
-(:mod:`helpers.supervise`), so this sees each rank exit even under mpirun. Once one rank has
+(:mod:`helpers.launching.supervise`), so this sees each rank exit even under mpirun. Once one rank has
 exited (success or failure), the others get ``--exit_grace_seconds`` (60) to end; a rank alive
 without progress for ``--stall_seconds`` (900) is stalled. Either way this stops the whole job
 (TERM, then KILL: the launchers' process trees here, the ranks on other hosts over ssh) and
@@ -48,8 +48,10 @@ from typing import TextIO
 
 import psutil
 
-from helpers import distributed, errors, ray_launch, supervise
-from helpers.distributed import ClusterLayout, LaunchCommand
+from helpers.core import errors
+from helpers.launching import distributed, supervise
+from helpers.launching import ray_train as ray_launch
+from helpers.launching.distributed import ClusterLayout, LaunchCommand
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +303,7 @@ def run_job(
 
     Args:
         commands: from :func:`prepare_job` (ranks report their status) or
-            :func:`helpers.distributed.launch_commands`.
+            :func:`helpers.launching.distributed.launch_commands`.
         stream: where rank 0's lines and the launchers' own lines go (default stdout).
         exit_grace_seconds: once one rank has exited (or failed, or a command exited non-zero),
             how long the others get to end before this stops the job.
@@ -421,7 +423,7 @@ def prepare_job(
             ``threads_per_process``; Ray finds the nodes itself).
         train_args: ``helpers.train`` flags; parsed here so a bad flag fails before any process starts.
         launcher: ``"mpirun"``, ``"torchrun"`` or ``"ray"`` (one command: the Ray Train driver of
-            :mod:`helpers.ray_launch`).
+            :mod:`helpers.launching.ray_train`).
         work_dir: folder for ``hostfile``, ``accelerate_config_node*.yaml``, the ranks' ``status/``
             and torchrun's rank logs, ``torchrun/`` (default ``<output_dir>/launch``, with the run,
             so two runs never share it; must be visible at the same path on every node, or copied
@@ -436,12 +438,12 @@ def prepare_job(
     Returns:
         The commands to pass to :func:`run_job`.
     """
-    if module == "helpers.dreambooth":  # its flag parser imports no torch, as helpers.config's
+    if module == "helpers.dreambooth":  # its flag parser imports no torch, as helpers.training.config's
         from helpers.dreambooth.config import parse_args as parse_train_args
 
         data_flag = "instance_data_dir"
     else:
-        from helpers.config import parse_args as parse_train_args
+        from helpers.training.config import parse_args as parse_train_args
 
         data_flag = "train_data_dir"
     config = parse_train_args(list(train_args))

@@ -3,7 +3,7 @@
 Flags are those of diffusers' ``examples/textual_inversion/textual_inversion.py``; see
 ``python -m helpers.train --help``. ``--config run.yaml`` loads settings that flags override.
 Bad input (settings, images, the output folder, a checkpoint, a run that diverged) is one
-``error: ...`` line and exit code 2 (:func:`helpers.errors.run_cli`).
+``error: ...`` line and exit code 2 (:func:`helpers.core.errors.run_cli`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ if __name__ == "__main__":
 
 import logging
 
-from helpers import faults, supervise
-from helpers.config import TrainConfig, parse_args
-from helpers.errors import exit_with, run_cli
-from helpers.models import HubUnavailableError
-from helpers.textual_inversion import TrainResult, train
+from helpers.core.errors import exit_with, run_cli
+from helpers.launching import faults, supervise
+from helpers.training.config import TrainConfig, parse_args
+from helpers.training.models import HubUnavailableError
+from helpers.training.textual_inversion import TrainResult, train
 
 __all__ = ["cli", "main", "parse_args"]
 
@@ -33,7 +33,7 @@ def main(args: TrainConfig) -> TrainResult:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.errors.run_cli`."""
+    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.core.errors.run_cli`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per checkpoint file otherwise
     supervise.start()  # under helpers.launch: this rank's lock and status, until the process is gone

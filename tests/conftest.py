@@ -25,7 +25,7 @@ FAKE_HOST=$host exec sh -c "$*"
 
 @pytest.fixture(autouse=True)
 def latent_cache_dir(tmp_path_factory, monkeypatch) -> Path:
-    """Each test's own empty latent cache (helpers.engine.latents), never the user's: every run in
+    """Each test's own empty latent cache (helpers.training.engine.latents), never the user's: every run in
     a test (and every process it starts) encodes its latents as a first run does."""
     folder = tmp_path_factory.mktemp("latent-cache")
     monkeypatch.setenv("WORKSHOP_LATENT_CACHE", str(folder))
@@ -52,7 +52,7 @@ def notebook_run_dir(tmp_path_factory) -> Path:
 def notebook_records(notebook_run_dir):
     """``notebook_records(stem)`` runs the notebooks in order up to ``stem`` (once each) on the
     tiny profile and returns that notebook's records."""
-    from helpers import notebooks
+    from helpers.workshop import notebooks
 
     done: dict[str, dict] = {}
 

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from helpers import data
+from helpers.training import data
 
 SAMPLE = str(data.sample_concept_dir())
 CIDR = "203.0.113.7/32"
@@ -180,7 +180,7 @@ CASES = [
     Case("compare against a non-export", "inference", ["compare", "--model", "toyworld", "--prompt", "a",
          "--openvino_dir", "{tmp}/ov"], "--openvino_dir '{tmp}/ov' is not an exported OpenVINO pipeline",
          files={"ov/README.md": "x"}),
-    # --- helpers.azure: issue 13's spec edge cases and bad cluster files ------------------------------
+    # --- helpers.cluster.azure: issue 13's spec edge cases and bad cluster files ------------------------------
     Case("node_count 1001", "azure", ["plan", "--config", "{tmp}/cluster.yaml"],
          "node_count=1001: must be an integer from 1 to 1000", files={"cluster.yaml": f"ssh_source_cidr: {CIDR}\n"
                                                                       "node_count: 1001\n"}),
@@ -219,7 +219,7 @@ CASES = [
     Case("cluster file unreadable", "azure", ["plan", "--config", "{tmp}/cluster.yaml"],
          "cluster file {tmp}/cluster.yaml cannot be read (permission denied)",
          files={"cluster.yaml": f"ssh_source_cidr: {CIDR}\n"}, unreadable="cluster.yaml"),
-    # --- helpers.data ---------------------------------------------------------------------------------
+    # --- helpers.training.data ---------------------------------------------------------------------------------
     Case("data: folder missing", "data", ["validate", "{tmp}/nope"], "{tmp}/nope: does not exist"),
     Case("data: a picture, not its folder", "data", ["validate", "{tmp}/a.png"], "a.png: is a file, not a folder",
          files={"a.png": png()}),
@@ -250,7 +250,7 @@ def _tree(tmp: Path) -> dict[str, tuple[int, int, int]]:
 def _deny(monkeypatch, path: Path, what: str) -> None:
     """Refuse to read the file ``path`` or to write into the folder ``path``, as the OS refuses another user."""
     if what == "write":
-        from helpers import config
+        from helpers.training import config
 
         real_access = os.access
         monkeypatch.setattr(
@@ -278,7 +278,7 @@ def no_model_loads(monkeypatch):
     import diffusers
 
     import helpers.inference.command as inference_command
-    from helpers import models
+    from helpers.training import models
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was refused")
@@ -303,7 +303,7 @@ def run_in_process(cli: str, argv: list[str]) -> int:
 
         return inference.cli(argv)
     if cli == "azure":
-        from helpers import azure
+        from helpers.cluster import azure
 
         return azure.cli(argv)
     return data.cli(argv)
@@ -348,7 +348,7 @@ def test_every_command_is_in_the_table():
 
 def test_yaml_numbers_written_as_text_are_accepted(tmp_path):
     """Issue 13: ``learning_rate: 5e-4`` and ``resolution: "64"`` (text to YAML) crashed with a TypeError."""
-    from helpers.config import parse_args
+    from helpers.training.config import parse_args
 
     path = tmp_path / "run.yaml"
     path.write_text('learning_rate: 5e-4\nresolution: "64"\nmax_train_steps: 1e2\n')
@@ -385,7 +385,7 @@ def test_a_concept_folder_like_a_persons_own_is_accepted(tmp_path, capsys):
          "learned_embeds '{tmp}/e.safetensors' is empty (0 bytes)"),
         (["helpers.azure", "plan", "--config", "{tmp}/c.yaml"], {"c.yaml": "ssh_source_cidr: ::/1\n"},
          "allows SSH from 170,141,183,460,469,231,731,687,303,715,884,105,728 addresses"),
-        (["helpers.data", "validate", "{tmp}/nope"], {}, "{tmp}/nope: does not exist"),
+        (["helpers.training.data", "validate", "{tmp}/nope"], {}, "{tmp}/nope: does not exist"),
     ],
     ids=["train", "train-yaml", "inference", "azure", "data"],
 )  # fmt: skip

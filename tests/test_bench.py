@@ -22,8 +22,9 @@ from bench import (
     train_step,
 )
 from bench import inference as bench_inference
-from helpers import data, inference, models
-from helpers.engine import prepack
+from helpers import inference
+from helpers.training import data, models
+from helpers.training.engine import prepack
 
 PHASES = set(train_step.PHASES) | {"total"}
 
@@ -207,7 +208,7 @@ def test_keep_freed_memory_stops_refaulting_big_blocks():
     """Blocks above glibc's mmap threshold are page-faulted in afresh each time, unless kept."""
     import resource
 
-    from helpers import cpu
+    from helpers.core import cpu
 
     block_pages = 64_000_000 // resource.getpagesize()
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cpu, data, distributed, models
-from helpers.outputs import SUMMARY
+from helpers.core import cpu
+from helpers.core.outputs import SUMMARY
+from helpers.launching import distributed
+from helpers.training import data, models
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_FLAGS = r"""--pretrained_model_name_or_path=$MODEL_NAME --train_data_dir=$DATA_DIR \

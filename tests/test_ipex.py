@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file
 from tiny_parts import step_parts, tiny_config
 
-from helpers import cpu, data, models
-from helpers import textual_inversion as ti
+from helpers.core import cpu
+from helpers.training import data, models
+from helpers.training import textual_inversion as ti
 
 REQUIRED = os.environ.get("WORKSHOP_REQUIRE_IPEX") == "1"
 PROBLEM = cpu.ipex_problem()
@@ -105,7 +106,7 @@ def test_the_engine_applies_ipex_to_the_unet_with_prepacking_and_channels_last_o
         seen.append(conv.weight.is_contiguous())  # not silently switched to channels-last
         return original(unet, *args)
 
-    monkeypatch.setattr("helpers.engine.step.diffusion_loss", loss_spy)
+    monkeypatch.setattr("helpers.training.engine.step.diffusion_loss", loss_spy)
     cfg = tiny_config(tmp_path, "out", max_train_steps=2, mixed_precision="no", use_ipex=True)
     result = ti.train(cfg)
     assert [c[0] for c in calls] == [UNet2DConditionModel]  # the UNet only, once

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from helpers import data, models
-from helpers import textual_inversion as ti
-from helpers.config import TrainConfig
+from helpers.training import data, models
+from helpers.training import textual_inversion as ti
+from helpers.training.config import TrainConfig
 
 
 def tiny_settings(output_dir, **overrides) -> dict:

@@ -130,7 +130,7 @@ def training_time(
 
 def workshop_time(report) -> TrainingTime:
     """The real defaults of notebook 02 (:data:`WORKSHOP_DEFAULTS`) on the machine of ``report``
-    (a :func:`helpers.cpu.report`)."""
+    (a :func:`helpers.core.cpu.report`)."""
     return training_time(**WORKSHOP_DEFAULTS, precision=report.precision, physical_cores=report.physical_cores,
                          native_bf16=report.native_bf16, cpu=report.model_name,
                          amx=bool(report.isa_flags.get("amx_bf16")))  # fmt: skip
@@ -144,7 +144,7 @@ def cluster_time(vm_size: str, node_count: int, nproc_per_node: int = 2) -> Trai
     do not count (an Azure vCPU is half a core). Mixed fleets (Dv5: Ice Lake or Sapphire Rapids)
     are estimated for fp32, the precision ``auto`` picks on the slower host.
     """
-    from helpers import azure_data
+    from helpers.cluster import prices as azure_data
 
     vcpus = azure_data.vcpus(vm_size)
     if vcpus is None:

@@ -1,4 +1,4 @@
-"""Static tables behind :mod:`helpers.azure`: what each Azure VM size's CPU can do, and prices.
+"""Static tables behind :mod:`helpers.cluster.azure`: what each Azure VM size's CPU can do, and prices.
 
 Both tables are dated and name their sources. They are facts about a moving target: re-check
 them before a workshop (``az vm list-skus``, the Azure size pages, the Retail Prices API).
@@ -105,13 +105,13 @@ def bf16_advice(vm_size: str) -> str:
     row = size_series(vm_size)
     if row is None:
         return (
-            f"{vm_size} is not in helpers.azure_data.SIZE_SERIES, so whether its CPU has native bf16 "
-            "(AVX512-BF16/AMX) is unknown: check on a node with helpers.cpu before choosing bf16, "
+            f"{vm_size} is not in helpers.cluster.prices.SIZE_SERIES, so whether its CPU has native bf16 "
+            "(AVX512-BF16/AMX) is unknown: check on a node with helpers.core.cpu before choosing bf16, "
             "because bf16 without hardware support is 100-150x slower than fp32."
         )
     if row.native_bf16 is None:
         return (
-            f"{vm_size} ({row.series}) runs on {row.cpu}: native bf16 is NOT guaranteed. Let helpers.cpu "
+            f"{vm_size} ({row.series}) runs on {row.cpu}: native bf16 is NOT guaranteed. Let helpers.core.cpu "
             "decide on each node (mixed_precision='auto'), or pick a v6 size (Emerald Rapids, AMX) for bf16."
         )
     if row.native_bf16:

@@ -6,7 +6,7 @@ are the last gradient the backward produces, so nothing overlaps it)::
     seconds per step = compute per process + all-reduce
     images per second = nodes x processes per node x batch / seconds per step
 
-* **Compute** is a measured step (:mod:`helpers.estimates`: ``bench/results/**/train_step-*.json``),
+* **Compute** is a measured step (:mod:`helpers.cluster.estimates`: ``bench/results/**/train_step-*.json``),
   scaled to the resolution and batch and to the cores each process gets, linearly (optimistic),
   from the row of the machine's CPU family (AMX or not). The reference's step is ours times the
   reference/ours ratio measured beside it in the same file.
@@ -14,7 +14,7 @@ are the last gradient the backward produces, so nothing overlaps it)::
   ``2 (p - 1)`` steps, each moving ``bytes / p`` over every hop at once, so a step lasts as long as
   its slowest hop: ``latency + bytes / p / bandwidth``. Hops inside a node use :data:`LOOPBACK`
   (gloo over TCP on 127.0.0.1, fitted by ``bench/scaling.py``); hops between nodes use the VM size's
-  published network bandwidth (:func:`helpers.azure_data.network_gbps`) and the loopback latency
+  published network bandwidth (:func:`helpers.cluster.prices.network_gbps`) and the loopback latency
   plus :data:`NETWORK_LATENCY_S`.
 * **Bytes**: ours all-reduces ``num_vectors x 768`` fp32 values (3,072 bytes for one vector), the
   reference the whole 49,409 x 768 matrix (151,784,448 bytes), whatever the precision of the step.
@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from helpers import estimates
-from helpers.errors import InputError
+from helpers.cluster import estimates
+from helpers.core.errors import InputError
 
 HIDDEN = 768  # SD v1.5's text-embedding width
 VOCABULARY = 49_409  # SD v1.5's tokenizer (49,408) plus one placeholder
@@ -135,19 +135,19 @@ class Machine:
     network_gbps: float  # to the other nodes
     precision: str  # "bf16" or "no" (fp32): the measured step it is scaled from
     native_bf16: bool | None = None
-    amx: bool | None = None  # picks the measured row of its CPU family (helpers.estimates)
+    amx: bool | None = None  # picks the measured row of its CPU family (helpers.cluster.estimates)
 
 
 def azure_machine(vm_size: str) -> Machine:
     """An Azure VM of ``vm_size``: half its vCPUs are cores, its published network bandwidth, bf16
     where the size guarantees native bf16 (else fp32, what ``auto`` picks on a mixed fleet's slower host)."""
-    from helpers import azure_data
+    from helpers.cluster import prices as azure_data
 
     vcpus, row = azure_data.vcpus(vm_size), azure_data.size_series(vm_size)
     gbps = azure_data.network_gbps(vm_size)
     if vcpus is None or row is None or gbps is None:
         raise InputError(
-            f"vm_size={vm_size!r}: not in helpers.azure_data's size and network tables; use a Dv5, Ev5, "
+            f"vm_size={vm_size!r}: not in helpers.cluster.prices's size and network tables; use a Dv5, Ev5, "
             "Dsv6 or Esv6 size, or describe the node with scaling.Machine(...)"
         )
     precision = "bf16" if row.native_bf16 else "no"
@@ -316,7 +316,7 @@ def figure(layouts: Sequence[tuple[Machine | str, int]] = FIGURE_LAYOUTS, max_no
     """The README's and notebook 04's figure: predicted images/s against processes for 1..``max_nodes``
     nodes, ours (solid) against the reference (dashed), one colour per machine, and the guide's
     published point."""
-    from helpers import plots
+    from helpers.workshop import plots
 
     check = guide_check()
     fig = plots.line_groups(

@@ -1,6 +1,6 @@
 """Check that the Python environment is the pinned, CPU-only set the workshop was tested with.
 
-``python -m helpers.environment`` exits non-zero, naming each problem, when torchvision is
+``python -m helpers.core.environment`` exits non-zero, naming each problem, when torchvision is
 installed (it breaks importing the CPU torch here), when torch is a CUDA build (a multi-GB
 download that is useless on these machines), or when a pinned package has another version.
 """
@@ -13,9 +13,9 @@ import re
 import sys
 from pathlib import Path
 
-from helpers.errors import run_cli
+from helpers.core.errors import run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENT_FILES = (ROOT / "requirements.txt", ROOT / "requirements-nodeps.txt")
 FORBIDDEN = {
     "torchvision": "it does not import beside the CPU torch 2.13.0 (operator torchvision::nms does not exist)"
@@ -68,9 +68,9 @@ def problems() -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``python -m helpers.environment`` takes no arguments (``--help`` says what it checks)."""
+    """``python -m helpers.core.environment`` takes no arguments (``--help`` says what it checks)."""
     parser = argparse.ArgumentParser(
-        prog="python -m helpers.environment", description=__doc__.splitlines()[0]
+        prog="python -m helpers.core.environment", description=__doc__.splitlines()[0]
     )
     return parser.parse_args(argv)
 
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.errors.run_cli`."""
+    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.core.errors.run_cli`."""
     return run_cli(main, parse_args, argv)
 
 

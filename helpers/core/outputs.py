@@ -1,7 +1,7 @@
 """The names of what a training run writes, shared by training and everything that reads a run.
 
 Inference, notebooks and benchmarks import these from here rather than from the training engine
-(:mod:`helpers.textual_inversion`), which would pull in accelerate just for a file name.
+(:mod:`helpers.training.textual_inversion`), which would pull in accelerate just for a file name.
 
 The layout of ``output_dir`` is that of diffusers' ``examples/textual_inversion/textual_inversion.py``
 (so the guides' lines that load ``output_dir`` work unchanged), plus the engine's own records::
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from helpers.errors import InputError
+from helpers.core.errors import InputError
 
 LEARNED_EMBEDS = "learned_embeds.safetensors"
 """``{placeholder_token: FloatTensor[num_vectors, hidden]}``, in ``output_dir``."""

@@ -5,8 +5,8 @@ import gc
 if __name__ == "__main__":
     gc.disable()  # while the imports below run; exit_with turns it back on (see its docstring)
 
+from helpers.core.errors import exit_with
 from helpers.dreambooth.command import cli
-from helpers.errors import exit_with
 
 if __name__ == "__main__":
     exit_with(cli)

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from helpers import supervise
-from helpers.data import validate_image_folder
-from helpers.engine import prepack
-from helpers.errors import InputError
-from helpers.files import save_image_atomic, write_text_atomic
+from helpers.core.errors import InputError
+from helpers.core.files import save_image_atomic, write_text_atomic
+from helpers.launching import supervise
+from helpers.training.data import validate_image_folder
+from helpers.training.engine import prepack
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def class_image_seed(seed: int, k: int) -> int:
 
 
 def image_files(folder: str | os.PathLike, min_size: int = 0) -> list[Path]:
-    """The pictures in ``folder``, sorted, as :func:`helpers.data.validate_image_folder` finds them
+    """The pictures in ``folder``, sorted, as :func:`helpers.training.data.validate_image_folder` finds them
     (none if the folder is missing or holds no file but the manifest).
 
     Raises:
@@ -200,7 +200,7 @@ def class_pipeline(
     """The base model's pipeline as class pictures are drawn: DPM-Solver++, no safety checker, no progress bar.
 
     ``prepack_convs``: the UNet's convolutions use weights laid out for oneDNN once
-    (:func:`helpers.engine.prepack.pack_unet`, the forward's copy only), where it fits in memory.
+    (:func:`helpers.training.engine.prepack.pack_unet`, the forward's copy only), where it fits in memory.
     """
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 

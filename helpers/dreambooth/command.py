@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from helpers import supervise
+from helpers.core.errors import run_cli
 from helpers.dreambooth.config import DreamBoothConfig, parse_args
-from helpers.errors import run_cli
-from helpers.models import HubUnavailableError
+from helpers.launching import supervise
+from helpers.training.models import HubUnavailableError
 
 __all__ = ["cli", "main", "parse_args"]
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from helpers.config import PREPACK_CONVS_HELP
-from helpers.errors import InputError
-from helpers.files import write_text_atomic
+from helpers.core.errors import InputError
+from helpers.core.files import write_text_atomic
+from helpers.training.config import PREPACK_CONVS_HELP
 
 DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")

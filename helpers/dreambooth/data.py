@@ -4,7 +4,7 @@ As in diffusers' ``DreamBoothDataset``, item ``i`` pairs subject picture ``i % s
 class picture ``i % classes``, and an epoch has ``max(subjects, classes)`` items (``subjects``
 without prior preservation). Every picture is resized (shorter side to ``resolution``) and
 centre-cropped once: it becomes one *view* whose latent the engine encodes once and caches
-(:func:`helpers.textual_inversion.cache_latents` takes any object with ``num_views`` and
+(:func:`helpers.training.textual_inversion.cache_latents` takes any object with ``num_views`` and
 ``view_pixels``). An item names views, not pixels: instance views come first, then class views.
 """
 

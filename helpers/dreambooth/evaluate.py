@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from helpers.outputs import HISTORY, LEARNED_EMBEDS, SUMMARY
+from helpers.core.outputs import HISTORY, LEARNED_EMBEDS, SUMMARY
 from helpers.toyworld import ConceptReport
 
 
@@ -35,9 +35,9 @@ def lora_report(
     """
     from helpers.dreambooth.lora import lora_file, stock_lora_pipeline
     from helpers.inference import load_pytorch_pipeline
-    from helpers.models import resolve_model
     from helpers.toyworld.evaluate import concept_scores, generate_images
     from helpers.toyworld.judge import JUDGE_DIR, load_judge
+    from helpers.training.models import resolve_model
 
     if lora is not None:
         lora_file(lora)  # fails fast, before the model loads

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.files import replace_dir_atomic, write_path_atomic
+from helpers.core.files import replace_dir_atomic, write_path_atomic
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """The LoRA file in ``output_dir`` (and in each checkpoint), as diffusers names it."""
@@ -107,7 +107,7 @@ def save_lora_weights(folder: str | os.PathLike, unet, text_encoder=None) -> Pat
         if model is None or not lora_parameters(model):
             continue
         # The parameters, not state_dict(): that would rebuild every prepacked layer's freed dense
-        # weight (helpers.engine.prepack) only for peft to drop it. No embeddings are adapted.
+        # weight (helpers.training.engine.prepack) only for peft to drop it. No embeddings are adapted.
         params = dict(model.named_parameters())
         state = get_peft_model_state_dict(model, state_dict=params, save_embedding_layers=False)
         state = {k: v.detach().float().contiguous() for k, v in state.items()}
@@ -184,7 +184,7 @@ def load_lora_pipeline(model: str | os.PathLike, lora: str | os.PathLike):
     """
     from diffusers import StableDiffusionPipeline
 
-    from helpers.models import resolve_model
+    from helpers.training.models import resolve_model
 
     state, rank = read_lora_file(lora)  # checked before the model loads
     pipe = StableDiffusionPipeline.from_pretrained(
@@ -200,7 +200,7 @@ def stock_lora_pipeline(model: str | os.PathLike, lora: str | os.PathLike):
     """The base pipeline (fp32) with ``lora`` loaded by diffusers' own ``load_lora_weights``."""
     from diffusers import StableDiffusionPipeline
 
-    from helpers.models import resolve_model
+    from helpers.training.models import resolve_model
 
     file = lora_file(lora)
     pipe = StableDiffusionPipeline.from_pretrained(
@@ -224,7 +224,7 @@ def save_fused_pipeline(model: str | os.PathLike, lora: str | os.PathLike, dest:
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel
 
-    from helpers.models import resolve_model
+    from helpers.training.models import resolve_model
 
     base = resolve_model(model)
     pipe = stock_lora_pipeline(base, lora)

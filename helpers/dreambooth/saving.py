@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate.logging import get_logger
 
-from helpers import supervise
+from helpers.core.files import move_dir_into_place, replace_dir_atomic, save_image_atomic, write_text_atomic
+from helpers.core.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, PIPELINE_DIR, SAMPLES, SUMMARY
 from helpers.dreambooth import class_images
 from helpers.dreambooth.lora import LORA_WEIGHTS, copy_lora_weights, read_lora_file, save_lora_weights
-from helpers.engine.checkpoints import load_state, resolve_checkpoint
-from helpers.files import move_dir_into_place, replace_dir_atomic, save_image_atomic, write_text_atomic
-from helpers.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, PIPELINE_DIR, SAMPLES, SUMMARY
+from helpers.launching import supervise
+from helpers.training.engine.checkpoints import load_state, resolve_checkpoint
 
 if TYPE_CHECKING:
     from helpers.dreambooth.training import Run

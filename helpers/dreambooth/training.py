@@ -6,14 +6,14 @@ class prompt, in one UNet call (subject first, class second); the loss is the su
 plus ``prior_loss_weight`` times the class half's. What differs, for CPUs:
 
 * The VAE encodes every picture once before training; a step samples its latent from the cached
-  mean and std (:func:`helpers.textual_inversion.cache_latents`), and the VAE is freed.
+  mean and std (:func:`helpers.training.textual_inversion.cache_latents`), and the VAE is freed.
 * With a frozen text encoder the two prompts are encoded once, before training.
 * LoRA trains the attention's linear layers, so the UNet's convolutions stay frozen and run with
-  weights laid out for oneDNN once (:mod:`helpers.engine.prepack`, ``--no-prepack_convs`` to turn
+  weights laid out for oneDNN once (:mod:`helpers.training.engine.prepack`, ``--no-prepack_convs`` to turn
   it off), as in the textual-inversion engine.
 * Every random draw of a sample (latent, noise, timestep) comes from a generator keyed by
   (seed, epoch, sample): the subject's by its item ``i``, the class picture's by ``items + i``
-  (:func:`helpers.textual_inversion.draw_batch`); the shuffle is keyed by (seed, epoch). So a
+  (:func:`helpers.training.textual_inversion.draw_batch`); the shuffle is keyed by (seed, epoch). So a
   resumed run equals an uninterrupted one, and 2 processes x batch 1 equal 1 process x batch 2.
 * Only the LoRA matrices are parameters. They are not wrapped in DDP: after each synchronising
   backward their gradients go into one flat buffer, averaged over the processes by one
@@ -40,16 +40,18 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from helpers import cpu, data, models, supervise
+from helpers.core import cpu
+from helpers.core.errors import InputError
+from helpers.core.outputs import SAMPLES, SUMMARY
 from helpers.dreambooth import class_images, saving
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import DreamBoothPairs, ImageViews
 from helpers.dreambooth.lora import add_lora
-from helpers.engine import prepack
-from helpers.engine.setup import make_accelerator
-from helpers.errors import InputError
-from helpers.outputs import SAMPLES, SUMMARY
-from helpers.textual_inversion import EpochSampler, cache_latents, draw_batch, resolve_checkpoint
+from helpers.launching import supervise
+from helpers.training import data, models
+from helpers.training.engine import prepack
+from helpers.training.engine.setup import make_accelerator
+from helpers.training.textual_inversion import EpochSampler, cache_latents, draw_batch, resolve_checkpoint
 
 logger = get_logger(__name__)
 

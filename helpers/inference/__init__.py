@@ -45,6 +45,7 @@ The parts: :mod:`~helpers.inference.concept` (where the concept is, checked befo
 here: ``from helpers import inference; inference.generate(...)``.
 """
 
+from helpers.core.outputs import LEARNED_EMBEDS
 from helpers.inference.command import cli, main, parse_args
 from helpers.inference.common import (
     BF16_VARIANT,
@@ -87,7 +88,6 @@ from helpers.inference.parity import (
     text_encoder_max_abs_diff,
 )
 from helpers.inference.pytorch import load_learned_embeds, load_pytorch_pipeline
-from helpers.outputs import LEARNED_EMBEDS
 
 __all__ = [
     "BF16_VARIANT",

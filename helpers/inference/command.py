@@ -10,7 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from helpers.errors import run_cli
+from helpers.core.errors import run_cli
+from helpers.core.outputs import LEARNED_EMBEDS
 from helpers.inference.common import QUANT_MODES, WEIGHT_FORMATS, InferenceInputError, is_openvino_folder
 from helpers.inference.concept import read_learned_embeds
 from helpers.inference.generation import generate, save_images
@@ -23,7 +24,6 @@ from helpers.inference.openvino import (
 )
 from helpers.inference.parity import compare
 from helpers.inference.pytorch import load_learned_embeds, load_pytorch_pipeline
-from helpers.outputs import LEARNED_EMBEDS
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     """Entry point: run a command, print its JSON result; input problems exit 2 with one ``error:`` line."""
-    from helpers.models import HubUnavailableError
+    from helpers.training.models import HubUnavailableError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

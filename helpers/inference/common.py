@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from helpers.errors import InputError
+from helpers.core.errors import InputError
 
 VARIANTS = ("pytorch_fp32", "openvino_dynamic", "openvino_static", "openvino_static_int8")
 """The variants timed on every CPU; where :func:`openvino_default_precision` is bf16, also this one:"""

@@ -9,10 +9,16 @@ from pathlib import Path
 
 import torch
 
+from helpers.core.outputs import (
+    LEARNED_EMBEDS,
+    MODEL_INDEX,
+    SUMMARY,
+    is_pipeline_folder,
+    placeholder_tokens_for,
+)
+from helpers.core.sources import classify_source
 from helpers.inference.common import ROUTES, InferenceInputError
-from helpers.models import OFFLINE_MODELS, TINY, TOYWORLD, resolve_model
-from helpers.outputs import LEARNED_EMBEDS, MODEL_INDEX, SUMMARY, is_pipeline_folder, placeholder_tokens_for
-from helpers.sources import classify_source
+from helpers.training.models import OFFLINE_MODELS, TINY, TOYWORLD, resolve_model
 
 
 @dataclass(frozen=True)

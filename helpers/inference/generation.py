@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from helpers import cpu
-from helpers.files import save_image_atomic
+from helpers.core import cpu
+from helpers.core.files import save_image_atomic
 from helpers.inference.common import InferenceInputError, is_openvino
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def generate(
 
 
 def save_images(images: Sequence[Any], out_dir: str | os.PathLike, prefix: str) -> list[Path]:
-    """Save images as ``out_dir/{prefix}-00.png``, ..., each atomically (:func:`helpers.files.save_image_atomic`)."""
+    """Save images as ``out_dir/{prefix}-00.png``, ..., each atomically (:func:`helpers.core.files.save_image_atomic`)."""
     out = Path(out_dir)
     return [save_image_atomic(out / f"{prefix}-{i:02d}.png", image) for i, image in enumerate(images)]
 

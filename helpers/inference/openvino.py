@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helpers import cpu
-from helpers.files import replace_dir_atomic
+from helpers.core import cpu
+from helpers.core.files import replace_dir_atomic
+from helpers.core.quiet import quiet_model_loading, quiet_weight_compression, tracing_quietly
 from helpers.inference.common import (
     EXPORT_INFO,
     QUANT_MODES,
@@ -21,7 +22,6 @@ from helpers.inference.common import (
     is_openvino_folder,
 )
 from helpers.inference.concept import check_concept, check_embeds, learned_embeds_file
-from helpers.quiet import quiet_model_loading, quiet_weight_compression, tracing_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _calibrate_and_quantize(
     from optimum.intel.openvino.quantization import InferRequestWrapper
     from tqdm.auto import tqdm
 
-    from helpers.data import imagenet_templates_small
+    from helpers.training.data import imagenet_templates_small
 
     start = time.perf_counter()
     size = resolution or pipe.unet.config["sample_size"] * pipe.vae_scale_factor

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
+from helpers.core.quiet import quiet_model_loading
 from helpers.inference import openvino
 from helpers.inference.common import InferenceInputError, hidden_size, is_openvino, is_openvino_folder
 from helpers.inference.concept import check_concept, check_embeds, learned_embeds_file
-from helpers.quiet import quiet_model_loading
 
 
 def load_learned_embeds(

@@ -19,7 +19,7 @@ Choices, measured on the development machines (reasons in docs/architecture.md):
 
 Tested across real interfaces on one machine: two "hosts" made of network namespaces, each with
 its own sshd and two links, train through mpirun and torchrun over the interface the layout names
-(``tests/test_netns.py``). Not testable here: several real machines and oneCCL.
+(``tests/launching/test_netns.py``). Not testable here: several real machines and oneCCL.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from helpers.files import write_text_atomic
+from helpers.core.files import write_text_atomic
 
 DEFAULT_PORT = 29500
 LAUNCHERS = ("mpirun", "torchrun")
@@ -88,8 +88,8 @@ def is_local_host(host: str) -> bool:
 
 
 def physical_cores() -> int:
-    """Physical cores of this machine (imported lazily: :mod:`helpers.cpu` imports torch)."""
-    from helpers import cpu
+    """Physical cores of this machine (imported lazily: :mod:`helpers.core.cpu` imports torch)."""
+    from helpers.core import cpu
 
     return cpu.physical_cores()
 
@@ -256,7 +256,7 @@ def free_port() -> int:
 # --- accelerate config files ---------------------------------------------------------------------
 
 
-CONFIG_TEMPLATE = Path(__file__).parent / "assets" / "accelerate_config_template.yaml"
+CONFIG_TEMPLATE = Path(__file__).parent.parent / "assets" / "accelerate_config_template.yaml"
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ def _resolve_precision(mixed_precision: str) -> str:
             f"mixed_precision={mixed_precision!r}: must be one of {', '.join(MIXED_PRECISION)}"
         )
     if mixed_precision == "auto":
-        from helpers import cpu
+        from helpers.core import cpu
 
         return cpu.choose_precision("auto").mixed_precision
     return mixed_precision
@@ -438,7 +438,7 @@ def init_backend(backend: str | None = None) -> str:
 
     accelerate 1.15 always starts ``gloo`` on CPUs. For ``ccl`` this starts the group first
     (accelerate then reuses it); for ``gloo`` it does nothing. The trainers call it just before
-    ``Accelerator()`` (:func:`helpers.engine.setup.make_accelerator`), with the backend the launcher
+    ``Accelerator()`` (:func:`helpers.training.engine.setup.make_accelerator`), with the backend the launcher
     put in every rank's environment (``WORKSHOP_BACKEND``, from :func:`job_env`); a process
     started without a launcher uses ``gloo``. The ``ccl`` path is untested here (the bindings are
     not installable).
@@ -522,7 +522,7 @@ class LaunchCommand:
     node_rank: int = 0
     output_tags: str = "hydra"  # hydra "[r] ", openmpi "[1,r]<stdout>:", torchrun "[default<local>]:"
     rank_offset: int = 0  # global rank of this command's local rank 0 (torchrun)
-    status_dir: str | None = None  # the ranks' status folder (helpers.supervise), if they report
+    status_dir: str | None = None  # the ranks' status folder (helpers.launching.supervise), if they report
     output_dir: str | None = None  # the run's output_dir, where run_summary.json marks it complete
 
     def shell(self) -> str:

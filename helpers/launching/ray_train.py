@@ -6,7 +6,7 @@
         [--ray_address auto|HOST:PORT] -- <helpers.train flags>
 
 :mod:`helpers.launch` checks the options, then starts this module's **driver**
-(``python -m helpers.ray_launch``) as one supervised command, exactly as it starts ``mpirun``:
+(``python -m helpers.launching.ray_train``) as one supervised command, exactly as it starts ``mpirun``:
 the driver's output is streamed, every worker reports to the status folder, and the launcher's
 grace and stall limits stop the driver's whole process tree if anything hangs.
 
@@ -34,13 +34,13 @@ The driver
   and ends what is left of a private runtime (``gcs_server``, ``raylet``, workers).
 
 Where the loss comes from: the engine exposes no per-step callback; it reports each step to
-:mod:`helpers.supervise` (step only) and shows the mean loss on rank 0's progress bar. A worker
+:mod:`helpers.launching.supervise` (step only) and shows the mean loss on rank 0's progress bar. A worker
 listens to the beats, reads the loss from that bar (4 decimals, what the bar shows) and sends
 the engine's exact history with its last report.
 
 Not testable here: a Ray cluster of several machines (tests join a two-node cluster whose nodes
 are two raylets on this machine), and the Azure nodes' ``ray start`` (rendered and checked as
-text by :func:`helpers.azure.provision.cloud_init`).
+text by :func:`helpers.cluster.azure.provision.cloud_init`).
 """
 
 from __future__ import annotations
@@ -65,16 +65,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-from helpers import supervise
-from helpers.distributed import DistributedError, LaunchCommand
-from helpers.errors import InputError
-from helpers.files import write_text_atomic
+from helpers.core.errors import InputError
+from helpers.core.files import write_text_atomic
+from helpers.launching import supervise
+from helpers.launching.distributed import DistributedError, LaunchCommand
 
 logger = logging.getLogger(__name__)
 
 RUN_FILE = "ray_run.json"  # in the work folder: what the driver saw (reports, start-up, nodes)
-WORKER_TAG = "helpers.ray_launch worker:"  # first line of each worker: its rank, pid and node
-FAILED_TAG = "helpers.ray_launch: ray worker"  # the driver's line about a worker that failed
+WORKER_TAG = "helpers.launching.ray_train worker:"  # first line of each worker: its rank, pid and node
+FAILED_TAG = "helpers.launching.ray_train: ray worker"  # the driver's line about a worker that failed
 VERSIONS = ("ray", "torch")  # must be the same on every node (and Python)
 CONNECT_SECONDS = 3.0  # to decide that nothing answers at --ray_address
 SHUTDOWN_SECONDS = 30.0  # for ray.shutdown() before the private runtime is killed
@@ -191,7 +191,7 @@ def driver_command(
     status_dir: str,
 ) -> LaunchCommand:
     """The one command :func:`helpers.launch.run_job` starts for a Ray job: this module's driver."""
-    argv = [sys.executable, "-m", "helpers.ray_launch", "--nproc_per_node", str(nproc_per_node),
+    argv = [sys.executable, "-m", "helpers.launching.ray_train", "--nproc_per_node", str(nproc_per_node),
             "--num_nodes", str(num_nodes), "--threads_per_process", str(threads_per_process),
             "--work_dir", str(Path(work_dir).resolve()), "--status_dir", status_dir]  # fmt: skip
     if ray_address:
@@ -229,7 +229,7 @@ class _BarReader:
 
 @dataclass
 class _StepReporter:
-    """A :mod:`helpers.supervise` listener: ``ray.train.report`` of step, loss and images/s.
+    """A :mod:`helpers.launching.supervise` listener: ``ray.train.report`` of step, loss and images/s.
 
     Ray's report is a barrier (every worker must call it equally often) and a worker may be only
     one report ahead of the Train controller, which takes reports once per health check (1 s):
@@ -288,9 +288,9 @@ def train_worker(job: dict) -> None:
     started_at = time.time()
     import ray.train
 
-    from helpers import faults
-    from helpers.config import TrainConfig
-    from helpers.textual_inversion import train
+    from helpers.launching import faults
+    from helpers.training.config import TrainConfig
+    from helpers.training.textual_inversion import train
 
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -417,7 +417,7 @@ class _Runtime:
 
             threading.Thread(target=shutdown, daemon=True).start()
             if not done.wait(SHUTDOWN_SECONDS):
-                print(f"helpers.ray_launch: ray.shutdown() did not return within {SHUTDOWN_SECONDS:g} s; "  # noqa: T201
+                print(f"helpers.launching.ray_train: ray.shutdown() did not return within {SHUTDOWN_SECONDS:g} s; "  # noqa: T201
                       "ending the runtime's processes", flush=True)  # fmt: skip
         if self.address is None:
             kill_processes([*started, *psutil.Process().children(recursive=True)])
@@ -558,7 +558,7 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
     from ray.train.torch import TorchConfig, TorchTrainer
     from tqdm.auto import tqdm
 
-    from helpers.config import parse_args as parse_train_args
+    from helpers.training.config import parse_args as parse_train_args
 
     config = parse_train_args(list(args.train_args))
     _absolute(config)
@@ -589,7 +589,7 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
         except BaseException as err:  # noqa: BLE001 - handed to the main thread
             outcome["error"] = err
 
-    print(f"helpers.ray_launch: Ray {ray_version()} {'joined at ' + runtime.address if runtime.address else 'started on this machine'} "  # noqa: T201
+    print(f"helpers.launching.ray_train: Ray {ray_version()} {'joined at ' + runtime.address if runtime.address else 'started on this machine'} "  # noqa: T201
           f"in {runtime.init_seconds:.1f} s; {world} worker(s) x {threads} CPU(s), nodes: "
           + ", ".join(f"{n['node']} ({n['cpus']:g} CPUs)" for n in nodes), flush=True)  # fmt: skip
     fit_started = time.time()
@@ -621,7 +621,7 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
     write_text_atomic(work_dir / RUN_FILE, json.dumps(record, indent=2, default=repr))
     error = outcome.get("error")
     if error is None:
-        print(f"helpers.ray_launch: the workers started {startup['workers_started_seconds']} s after the "  # noqa: T201
+        print(f"helpers.launching.ray_train: the workers started {startup['workers_started_seconds']} s after the "  # noqa: T201
               f"trainer; {len(rows)} step(s) reported", flush=True)  # fmt: skip
         return 0
     from helpers.launch import _SECONDARY  # the errors a rank gets because another one went away
@@ -635,7 +635,7 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
         where = f"on node {status.get('host', '?')} (pid {status.get('pid', '?')})"
         print(f"{FAILED_TAG} rank {rank} failed {where}: {_first_line(err)}", flush=True)  # noqa: T201
     if not failures:
-        print(f"helpers.ray_launch: training failed: {_first_line(error)}", flush=True)  # noqa: T201
+        print(f"helpers.launching.ray_train: training failed: {_first_line(error)}", flush=True)  # noqa: T201
     return 1
 
 
@@ -653,7 +653,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The driver's options (set by :func:`driver_command`), then ``--`` and the training flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(prog="python -m helpers.ray_launch",
+    parser = argparse.ArgumentParser(prog="python -m helpers.launching.ray_train",
                                      description="The Ray Train driver helpers.launch --launcher ray starts.")  # fmt: skip
     parser.add_argument("--nproc_per_node", type=int, required=True)
     parser.add_argument("--num_nodes", type=int, default=1)
@@ -688,7 +688,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt as stop:  # Ctrl-C, or TERM from helpers.launch: end everything now
         graceful = False
-        print(f"helpers.ray_launch: stopped ({stop or 'interrupt'}); ending Ray", flush=True)  # noqa: T201
+        print(f"helpers.launching.ray_train: stopped ({stop or 'interrupt'}); ending Ray", flush=True)  # noqa: T201
         return 130
     finally:
         watchdog.cancel()
@@ -697,7 +697,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _give_up(why: str, runtime: _Runtime) -> None:
     """From the watchdog thread: say why, end what this process started, exit (no hang)."""
-    print(f"helpers.ray_launch: {why}; stopping", flush=True)  # noqa: T201
+    print(f"helpers.launching.ray_train: {why}; stopping", flush=True)  # noqa: T201
     runtime.stop(graceful=False)
     os._exit(1)
 
@@ -709,7 +709,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the module's own copy: Ray pickles train_worker and the report sink by reference to
-    # helpers.ray_launch, which every worker imports, not by value from __main__.
-    from helpers import ray_launch
+    # helpers.launching.ray_train, which every worker imports, not by value from __main__.
+    from helpers.launching import ray_train as ray_launch
 
     raise SystemExit(ray_launch.cli())

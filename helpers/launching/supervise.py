@@ -45,9 +45,9 @@ from pathlib import Path
 
 import psutil
 
-from helpers.distributed import is_local_host
-from helpers.files import write_text_atomic
-from helpers.outputs import SUMMARY
+from helpers.core.files import write_text_atomic
+from helpers.core.outputs import SUMMARY
+from helpers.launching.distributed import is_local_host
 
 STATUS_DIR_ENV = "WORKSHOP_STATUS_DIR"
 WAITING = "waiting"

@@ -18,7 +18,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from helpers.errors import run_cli
+from helpers.core.errors import run_cli
 from helpers.toyworld import build, evaluate
 
 

@@ -41,12 +41,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from helpers import cpu
-from helpers.errors import InputError, one_line
-from helpers.files import replace_dir_atomic, write_path_atomic, write_text_atomic
-from helpers.models import TINY_TEXT_CONFIG
+from helpers.core import cpu
+from helpers.core.errors import InputError, one_line
+from helpers.core.files import replace_dir_atomic, write_path_atomic, write_text_atomic
 from helpers.toyworld import world
 from helpers.toyworld.judge import JUDGE_DIR, Judge, save_judge
+from helpers.training.models import TINY_TEXT_CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ def train_generator(
     from diffusers import DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from helpers.models import SD_SCHEDULER_CONFIG
+    from helpers.training.models import SD_SCHEDULER_CONFIG
 
     mean, std, scaling = latents
     torch.manual_seed(cfg.seed + 1)
@@ -377,13 +377,13 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
     """Run (or resume) every phase and write the finished model into ``cfg.output_dir``.
 
     The folder is complete or absent: the pipeline, judge and manifest are written to a
-    temporary sibling and swapped in for any earlier build (:func:`helpers.files.replace_dir_atomic`);
+    temporary sibling and swapped in for any earlier build (:func:`helpers.core.files.replace_dir_atomic`);
     the phases' state stays in the sibling ``<output_dir>.build/`` until the build finishes.
     """
     from diffusers import PNDMScheduler, StableDiffusionPipeline
 
-    from helpers.models import SD_SCHEDULER_CONFIG, build_clip_tokenizer
     from helpers.toyworld.evaluate import evaluate
+    from helpers.training.models import SD_SCHEDULER_CONFIG, build_clip_tokenizer
 
     out = Path(cfg.output_dir)
     work = Path(f"{out}.build")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from helpers.errors import InputError
+from helpers.core.errors import InputError
 from helpers.toyworld import world
 from helpers.toyworld.judge import HEADS, JUDGE_DIR, Judge, judge_images, load_judge
 
@@ -78,7 +78,7 @@ def pip_score(model: str | os.PathLike, images: Sequence) -> float | None:
     ``model`` is the base model the pictures' concept was trained on (``"toyworld"``); pictures
     from any backend (PyTorch, OpenVINO) can be scored.
     """
-    from helpers.models import OFFLINE_MODELS, resolve_model
+    from helpers.training.models import OFFLINE_MODELS, resolve_model
 
     if os.fspath(model) not in OFFLINE_MODELS and not Path(model).is_dir():
         return None  # a Hub model: no judge, and no need to download it to learn that
@@ -124,12 +124,12 @@ def concept_report(
 
     Args:
         model: a Stable Diffusion folder, ``"toyworld"`` (which has a judge) or any other model
-            :func:`helpers.models.resolve_model` knows (pictures only, no score).
+            :func:`helpers.training.models.resolve_model` knows (pictures only, no score).
         prompt: e.g. ``"a photo of <pip>"``; must contain the placeholder of ``learned_embeds``.
         learned_embeds: a ``learned_embeds.safetensors`` (or training output folder) to load first.
     """
     from helpers.inference import load_pytorch_pipeline
-    from helpers.models import resolve_model
+    from helpers.training.models import resolve_model
 
     check_prompt(prompt, learned_embeds)
     model_dir = resolve_model(model)
@@ -168,9 +168,9 @@ def initial_embeds(
     from safetensors.torch import save
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    from helpers.files import write_file_atomic
-    from helpers.models import resolve_model
-    from helpers.textual_inversion import check_tokens
+    from helpers.core.files import write_file_atomic
+    from helpers.training.models import resolve_model
+    from helpers.training.textual_inversion import check_tokens
 
     model_dir = resolve_model(model)
     tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
@@ -200,7 +200,7 @@ def score(
         FileNotFoundError / InputError: a missing model or embeddings file, a model without a
             judge, a prompt without the embeddings' placeholder (before any picture is made).
     """
-    from helpers.models import resolve_model
+    from helpers.training.models import resolve_model
 
     check_prompt(prompt, learned_embeds)
     load_judge(resolve_model(model))  # fails fast on a model without a judge

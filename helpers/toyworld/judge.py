@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from helpers.errors import InputError
+from helpers.core.errors import InputError
 from helpers.toyworld import world
 
 JUDGE_DIR = "judge"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFilter
 
-from helpers.data import imagenet_templates_small
+from helpers.training.data import imagenet_templates_small
 
 SIZE = 64  # the world's native resolution
 _SUPERSAMPLE = 4
@@ -302,7 +302,7 @@ def render_pip_pictures(dest: str | os.PathLike, seed: int = 0, size: int = PIP_
     Returns:
         The written files, sorted by name.
     """
-    from helpers.files import write_file_atomic
+    from helpers.core.files import write_file_atomic
 
     dest = Path(dest)
     written = []

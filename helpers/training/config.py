@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from helpers.errors import InputError, read_yaml
-from helpers.files import write_text_atomic
+from helpers.core.errors import InputError, read_yaml
+from helpers.core.files import write_text_atomic
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 MIXED_PRECISION = ("auto", "no", "bf16")

@@ -9,9 +9,9 @@ pixels, so the engine can encode each view with the VAE once and cache the laten
 
 Command line::
 
-    python -m helpers.data render-sample DEST      # regenerate the bundled sample images
-    python -m helpers.data download [--repo_id ID] [--dest DIR]
-    python -m helpers.data validate PATH [--min_size N]
+    python -m helpers.training.data render-sample DEST      # regenerate the bundled sample images
+    python -m helpers.training.data download [--repo_id ID] [--dest DIR]
+    python -m helpers.training.data validate PATH [--min_size N]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from helpers.errors import InputError, run_cli
-from helpers.sources import classify_source
+from helpers.core.errors import InputError, run_cli
+from helpers.core.sources import classify_source
 
 __all__ = [
     "DEFAULT_CONCEPT_REPO",
@@ -147,7 +147,7 @@ def sample_concept_dir() -> Path:
     Returns:
         ``helpers/assets/sample_concept`` inside the installed package.
     """
-    return Path(__file__).resolve().parent / "assets" / "sample_concept"
+    return Path(__file__).resolve().parent.parent / "assets" / "sample_concept"
 
 
 SAMPLE = "sample"
@@ -233,8 +233,8 @@ def validate_image_folder(path: str | os.PathLike, min_size: int = 0) -> list[Pa
         raise ImageFolderError(
             folder,
             [(folder, "does not exist")],
-            "pass the folder that holds the concept images, e.g. helpers.data.sample_concept_dir() "
-            "or the folder returned by helpers.data.download_concept().",
+            "pass the folder that holds the concept images, e.g. helpers.training.data.sample_concept_dir() "
+            "or the folder returned by helpers.training.data.download_concept().",
         )
     if not folder.is_dir():
         raise ImageFolderError(
@@ -277,7 +277,8 @@ def validate_image_folder(path: str | os.PathLike, min_size: int = 0) -> list[Pa
         raise ImageFolderError(
             folder,
             [(folder, "contains no images" + others)],
-            "put 3-5 pictures of the concept in it, or use helpers.data.sample_concept_dir()." + hint,
+            "put 3-5 pictures of the concept in it, or use helpers.training.data.sample_concept_dir()."
+            + hint,
         )
     if skipped:
         warnings.warn(
@@ -317,10 +318,10 @@ def download_concept(
         The folder of images (``dest/concept_images``), validated.
 
     Raises:
-        helpers.models.HubUnavailableError: the Hub cannot be reached (fails within seconds).
+        helpers.training.models.HubUnavailableError: the Hub cannot be reached (fails within seconds).
         ImageFolderError: the repo has no usable images under ``concept_images/``.
     """
-    from helpers.models import ensure_hub_reachable
+    from helpers.training.models import ensure_hub_reachable
 
     dest = Path(dest) if dest is not None else Path("concepts") / repo_id.split("/")[-1]
     images_dir = dest / CONCEPT_IMAGES_SUBDIR
@@ -335,7 +336,7 @@ def download_concept(
     # Without this check, huggingface_hub retries for a long time on a machine with no route.
     ensure_hub_reachable(
         what=f"downloading the concept images of {repo_id!r}",
-        fix="train on the bundled sample instead: train_data_dir=helpers.data.sample_concept_dir()",
+        fix="train on the bundled sample instead: train_data_dir=helpers.training.data.sample_concept_dir()",
     )
     from huggingface_hub import snapshot_download
 
@@ -480,8 +481,10 @@ class ConceptDataset(torch.utils.data.Dataset):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the ``python -m helpers.data`` command line."""
-    parser = argparse.ArgumentParser(prog="python -m helpers.data", description=__doc__.split("\n")[0])
+    """Parse the ``python -m helpers.training.data`` command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers.training.data", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     render = sub.add_parser("render-sample", help="draw the bundled sample concept images into DEST")
     render.add_argument("dest", type=Path)
@@ -498,7 +501,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> list[Path] | Path:
-    """Run one ``python -m helpers.data`` command; returns the files or folder it produced or checked."""
+    """Run one ``python -m helpers.training.data`` command; returns the files or folder it produced or checked."""
     if args.command == "render-sample":
         return render_sample_concept(args.dest)
     if args.command == "download":
@@ -508,7 +511,7 @@ def main(args: argparse.Namespace) -> list[Path] | Path:
 
 def cli(argv: Sequence[str] | None = None) -> int:
     """Entry point: print what was produced or checked; bad input exits 2 with one ``error:`` line."""
-    from helpers.models import HubUnavailableError
+    from helpers.training.models import HubUnavailableError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 

@@ -24,9 +24,9 @@ from urllib.parse import urlparse
 
 import torch
 
-from helpers.files import replace_dir_atomic
-from helpers.quiet import quiet_model_loading
-from helpers.sources import classify_source
+from helpers.core.files import replace_dir_atomic
+from helpers.core.quiet import quiet_model_loading
+from helpers.core.sources import classify_source
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 TINY = "tiny"
 TINY_RESOLUTION = 64
 TOYWORLD = "toyworld"
-TOYWORLD_DIR = Path(__file__).parent / "assets" / "toyworld"
+TOYWORLD_DIR = Path(__file__).parent.parent / "assets" / "toyworld"
 OFFLINE_MODELS = (TOYWORLD, TINY)
-CLIP_VOCAB_FILE = Path(__file__).parent / "assets" / "clip_vocab" / "bpe_simple_vocab_16e6.txt.gz"
+CLIP_VOCAB_FILE = Path(__file__).parent.parent / "assets" / "clip_vocab" / "bpe_simple_vocab_16e6.txt.gz"
 # Files of a diffusers Stable Diffusion repo that training and inference need (skips EMA/fp16/ckpt copies).
 HUB_ALLOW_PATTERNS = [
     "model_index.json",
@@ -147,7 +147,7 @@ def ensure_hub_reachable(what: str, fix: str, timeout: float = 3.0) -> None:
 
 
 def cache_dir() -> Path:
-    """The project's cache folder: built models, encoded latents (``helpers.engine.latents``).
+    """The project's cache folder: built models, encoded latents (``helpers.training.engine.latents``).
 
     ``$WORKSHOP_CACHE`` if set, else ``sd-cpu-workshop`` in the user's cache folder
     (``$XDG_CACHE_HOME``, by default ``~/.cache``).
@@ -161,7 +161,7 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
     """Turn ``"toyworld"``, ``"tiny"``, a local diffusers folder or a Hub id into a local folder.
 
     Every model load starts here, so this is also where the load-time progress bars of diffusers
-    and transformers are turned off (:func:`helpers.quiet.quiet_model_loading`), once the model is found.
+    and transformers are turned off (:func:`helpers.core.quiet.quiet_model_loading`), once the model is found.
 
     Args:
         name_or_path: ``"toyworld"`` (shipped), ``"tiny"`` (built on first use), a folder with

@@ -9,7 +9,7 @@ What differs from diffusers' ``examples/textual_inversion/textual_inversion.py``
   all-reduces ``num_vectors x hidden`` floats per step instead of the whole matrix (152 MB).
 * The VAE encoder runs once per image view (each image, flipped or not) before training; each
   step samples the latent from the cached mean and std, which is the same distribution as
-  re-encoding. The latents are also kept on disk (:mod:`helpers.engine.latents`), so a re-run
+  re-encoding. The latents are also kept on disk (:mod:`helpers.training.engine.latents`), so a re-run
   with the same pictures and VAE does not even load the VAE; the results stay the same bit for bit.
 * Every random draw of a sample (latent noise, diffusion noise, timestep) comes from a generator
   keyed by (seed, epoch, sample index). The run is therefore reproducible, a resumed run equals an
@@ -17,7 +17,7 @@ What differs from diffusers' ``examples/textual_inversion/textual_inversion.py``
 
 :func:`train` reads as the run does: check the inputs, set up, resume, train (one
 :func:`training_step` per optimisation step), write the outputs. The parts live in
-:mod:`helpers.engine`; every public name is importable from here.
+:mod:`helpers.training.engine`; every public name is importable from here.
 """
 
 from __future__ import annotations
@@ -31,10 +31,21 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from helpers import cpu, data, faults, models, supervise
-from helpers.config import TrainConfig
-from helpers.engine import TrainingDivergedError, TrainingInputError
-from helpers.engine.checkpoints import (
+from helpers.core import cpu
+from helpers.core.outputs import (
+    HISTORY,
+    HISTORY_PARTIAL,
+    LEARNED_EMBEDS,
+    MODEL_INDEX,
+    SAMPLES,
+    SUMMARY,
+    TRAIN_CONFIG,
+)
+from helpers.launching import faults, supervise
+from helpers.training import data, models
+from helpers.training.config import TrainConfig
+from helpers.training.engine import TrainingDivergedError, TrainingInputError
+from helpers.training.engine.checkpoints import (
     checkpoint_step,
     list_checkpoints,
     load_history,
@@ -43,7 +54,7 @@ from helpers.engine.checkpoints import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from helpers.engine.folder import (
+from helpers.training.engine.folder import (
     OutputFolder,
     check_checkpoint_matches,
     check_output_dir,
@@ -52,7 +63,7 @@ from helpers.engine.folder import (
     clear_run,
     inspect_output_dir,
 )
-from helpers.engine.rows import (
+from helpers.training.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
     add_placeholder_tokens,
@@ -60,7 +71,7 @@ from helpers.engine.rows import (
     placeholder_tokens_for,
     write_rows,
 )
-from helpers.engine.saving import (
+from helpers.training.engine.saving import (
     PipelineCopy,
     remove_full_pipeline,
     save_full_pipeline,
@@ -68,8 +79,8 @@ from helpers.engine.saving import (
     save_samples,
     write_json,
 )
-from helpers.engine.setup import Run, setup_run
-from helpers.engine.step import (
+from helpers.training.engine.setup import Run, setup_run
+from helpers.training.engine.step import (
     AllreduceCounter,
     EpochSampler,
     StepParts,
@@ -80,15 +91,6 @@ from helpers.engine.step import (
     draw_sample_noise,
     sample_generator,
     training_step,
-)
-from helpers.outputs import (
-    HISTORY,
-    HISTORY_PARTIAL,
-    LEARNED_EMBEDS,
-    MODEL_INDEX,
-    SAMPLES,
-    SUMMARY,
-    TRAIN_CONFIG,
 )
 
 __all__ = [
@@ -175,11 +177,11 @@ class CheckedInputs:
 def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
     """Every cheap check of a run, before any model is resolved or loaded.
 
-    IPEX if asked for, the output folder (:func:`helpers.engine.folder.check_output_dir`), the images, the checkpoint
+    IPEX if asked for, the output folder (:func:`helpers.training.engine.folder.check_output_dir`), the images, the checkpoint
     to resume (complete, of the same run, not past the last step) and, given the tokenizer, the tokens.
 
     Raises:
-        TrainingInputError, helpers.data.ImageFolderError: one message with the fix.
+        TrainingInputError, helpers.training.data.ImageFolderError: one message with the fix.
     """
     if config.train_data_dir is None:
         raise TrainingInputError(

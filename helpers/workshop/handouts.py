@@ -3,15 +3,15 @@
 A workshop room is often offline, so a handout may load nothing from the internet. The stock
 nbconvert page loads require.js, MathJax, mermaid and the widget manager from public CDNs; here
 
-* the page template (``helpers/templates/handout``) leaves those scripts out,
+* the page template (``helpers/workshop/templates/handout``) leaves those scripts out,
 * diagrams are pictures already: each one is Graphviz source in ``notebooks/diagrams/*.dot``,
   rendered to SVG by :func:`render_diagrams` and stored *inside* the notebook as a cell
   attachment, so JupyterLab, GitHub and the handout all show the same picture with no plug-in,
 * every widget output (a progress bar) becomes the text of its final state,
-* the outputs of :func:`helpers.notebooks.record` are dropped: they are for the tests, which
+* the outputs of :func:`helpers.workshop.notebooks.record` are dropped: they are for the tests, which
   read them from the ``.ipynb``; people read the tables and plots.
 
-``python -m helpers.handouts build`` writes ``build/*.html`` from the executed notebooks there;
+``python -m helpers.workshop.handouts build`` writes ``build/*.html`` from the executed notebooks there;
 ``--pdf`` also prints each to PDF with headless Chromium (Debian's ``chromium``).
 """
 
@@ -31,9 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from helpers.errors import InputError, run_cli
-from helpers.files import write_path_atomic, write_text_atomic
-from helpers.notebooks import NOTEBOOK_DIR, RECORD_MIME
+from helpers.core.errors import InputError, run_cli
+from helpers.core.files import write_path_atomic, write_text_atomic
+from helpers.workshop.notebooks import NOTEBOOK_DIR, RECORD_MIME
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +195,9 @@ def export_pdf(html_file: str | os.PathLike, pdf_path: str | os.PathLike) -> Pat
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``python -m helpers.handouts [--pdf] [--diagrams] [FOLDER]``."""
+    """``python -m helpers.workshop.handouts [--pdf] [--diagrams] [FOLDER]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m helpers.handouts",
+        prog="python -m helpers.workshop.handouts",
         description="Write self-contained handouts of executed notebooks, or re-render the diagrams.",
     )
     parser.add_argument(
@@ -232,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """Entry point (see :func:`helpers.errors.run_cli`)."""
+    """Entry point (see :func:`helpers.core.errors.run_cli`)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     return run_cli(main, parse_args, argv)
 

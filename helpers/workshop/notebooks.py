@@ -19,11 +19,11 @@ from typing import Any
 
 import yaml
 
-from helpers.errors import run_cli
-from helpers.files import write_path_atomic
+from helpers.core.errors import run_cli
+from helpers.core.files import write_path_atomic
 
 RECORD_MIME = "application/x.workshop.record+json"
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 TINY_PROFILE_FILE = NOTEBOOK_DIR / "tiny_profile.yaml"
 
 logger = logging.getLogger(__name__)
@@ -163,15 +163,15 @@ def run_notebook(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``python -m helpers.notebooks [--out build] [--html] [NOTEBOOK ...]``."""
+    """``python -m helpers.workshop.notebooks [--out build] [--html] [NOTEBOOK ...]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m helpers.notebooks",
+        prog="python -m helpers.workshop.notebooks",
         description="Run the workshop notebooks headlessly on the tiny profile.",
     )
     parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: all, in order)")
     parser.add_argument("--out", default="build", help="folder for executed notebooks and handouts")
     parser.add_argument(
-        "--html", action="store_true", help="also write offline HTML handouts (helpers.handouts)"
+        "--html", action="store_true", help="also write offline HTML handouts (helpers.workshop.handouts)"
     )
     return parser.parse_args(argv)
 
@@ -186,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
         records = run_notebook(nb, executed, tiny_profile(nb), cwd=out)
         logger.info("  %s records: %s", nb.name, ", ".join(f"{k}={v!r}" for k, v in records.items()))
         if args.html:
-            from helpers.handouts import export_html
+            from helpers.workshop.handouts import export_html
 
             logger.info("  handout: %s", export_html(executed, executed.with_suffix(".html")))
     logger.info("executed notebooks and handouts are in %s", out)

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 from PIL import Image
 
-from helpers.files import write_path_atomic
+from helpers.core.files import write_path_atomic
 
 __all__ = [
     "image_grid",

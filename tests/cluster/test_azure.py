@@ -1,4 +1,4 @@
-"""helpers.azure: the spec, the plan (checked by the real az parser, offline), apply's dry run and
+"""helpers.cluster.azure: the spec, the plan (checked by the real az parser, offline), apply's dry run and
 failure handling through the in-process CLI, teardown's confirmation, ssh config, hostfile, cost.
 
 No test can reach Azure: every az call runs with an empty AZURE_CONFIG_DIR (so never logged in,
@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import azure, azure_data, estimates, notebooks
+from helpers.cluster import azure, estimates
+from helpers.cluster import prices as azure_data
+from helpers.workshop import notebooks
 
 CIDR = "203.0.113.7/32"  # RFC 5737 documentation address
 LOGIN = "Please run 'az login' to setup account."
 OPEN = {"*", "0.0.0.0/0", "::/0", "internet", "any"}
-EXAMPLE = Path(__file__).resolve().parent.parent / "notebooks" / "cluster.example.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "notebooks" / "cluster.example.yaml"
 ROWS = [  # what `az vm list --show-details --query STATE_QUERY` returns for a 3-node cluster
     {
         "name": "sdw-worker-2",
@@ -114,7 +116,7 @@ def test_every_planned_command_is_accepted_by_the_real_az_parser(spec, tmp_path)
     result = run_isolated(
         f"""
         import json
-        from helpers import azure
+        from helpers.cluster import azure
         argvs = {argvs!r}
         checks = [azure.run_az(a) for a in argvs]
         # negative control: the same commands with one bogus flag must be usage errors
@@ -195,7 +197,7 @@ def test_cloud_init_installs_the_workshop_on_every_node(spec):
     config = yaml.safe_load(text)
     assert text.startswith("#cloud-config\n")
     assert config["packages"] == ["git", "make", "python3-venv", "python3-pip", "build-essential"]
-    assert config["runcmd"][:1] == [  # then Ray's service: tests/test_ray.py
+    assert config["runcmd"][:1] == [  # then Ray's service: tests/launching/test_ray.py
         [
             "sudo",
             "-u",
@@ -448,7 +450,7 @@ def test_apply_stops_at_the_first_failure_through_the_real_cli(tmp_path):
     result = run_isolated(
         f"""
         import json
-        from helpers import azure
+        from helpers.cluster import azure
         A = azure.AzCommand
         out = {str(out)!r}
         steps = [
@@ -479,7 +481,7 @@ def test_apply_not_logged_in_stops_at_the_first_check_and_teardown_reports_it(sp
     result = run_isolated(
         f"""
         import json
-        from helpers import azure
+        from helpers.cluster import azure
         spec = azure.ClusterSpec(ssh_source_cidr={CIDR!r}, node_count=3, ssh_public_key={spec.ssh_public_key!r},
                                  repo_url={spec.repo_url!r}, output_dir={spec.output_dir!r})
         errors = []
@@ -579,7 +581,7 @@ def test_ssh_config_exact_content():
         "    StrictHostKeyChecking yes\n"
     )
     assert config == (
-        "# ssh config of the workshop cluster in resource group sd-workshop-rg (helpers.azure).\n"
+        "# ssh config of the workshop cluster in resource group sd-workshop-rg (helpers.cluster.azure).\n"
         "# Use: ssh -F <this file> <node name>. Host keys are checked against the project known_hosts.\n\n"
         + node.format(name="sdw-head", ip="198.51.100.20", jump="")
         + "\n"

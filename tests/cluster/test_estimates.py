@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import estimates, notebooks
+from helpers.cluster import estimates
+from helpers.workshop import notebooks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("row", estimates.MEASURED, ids=lambda r: f"{r.source.split('/')[-2]}-{r.precision}")

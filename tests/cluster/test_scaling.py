@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import azure_data, estimates, plots, scaling
+from helpers.cluster import estimates, scaling
+from helpers.cluster import prices as azure_data
+from helpers.workshop import plots
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bytes_per_step_on_the_sd15_shape():
@@ -97,7 +99,7 @@ def test_compute_is_the_measured_step_scaled_as_estimates_does():
     big = scaling.predict("ours", "Standard_D96s_v6", nodes=1, nproc_per_node=4)  # 48 cores, 12 per process
     assert big.compute_s == pytest.approx(amx_bf16.seconds_per_step * 4 * 2 / 12)  # Emerald Rapids: AMX
     assert d8.images_per_second == pytest.approx(6 / d8.seconds_per_step)
-    with pytest.raises(ValueError, match="not in helpers.azure_data"):
+    with pytest.raises(ValueError, match="not in helpers.cluster.prices"):
         scaling.predict("ours", "Standard_F8s_v2", 1, 1)
 
 

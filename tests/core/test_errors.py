@@ -1,4 +1,4 @@
-"""helpers.errors: input errors become one 'error:' line and exit code 2; other errors propagate."""
+"""helpers.core.errors: input errors become one 'error:' line and exit code 2; other errors propagate."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.errors import InputError, read_yaml, run_cli
+from helpers.core.errors import InputError, read_yaml, run_cli
 
 
 def parse(argv):
@@ -149,7 +149,9 @@ def test_read_yaml_unreadable_file(tmp_path, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("name", ["azure", "data", "environment", "inference", "notebooks"])
+@pytest.mark.parametrize(
+    "name", ["cluster.azure.command", "training.data", "core.environment", "inference", "workshop.notebooks"]
+)
 def test_entry_points_have_the_one_cli_shape(name):
     import importlib
     import inspect
@@ -161,7 +163,7 @@ def test_entry_points_have_the_one_cli_shape(name):
 
 
 def test_notebooks_cli_missing_notebook_is_one_line_and_exit_2(tmp_path, capsys):
-    from helpers import notebooks
+    from helpers.workshop import notebooks
 
     assert notebooks.cli([str(tmp_path / "nope.ipynb"), "--out", str(tmp_path / "build")]) == 2
     err = capsys.readouterr().err
@@ -171,7 +173,7 @@ def test_notebooks_cli_missing_notebook_is_one_line_and_exit_2(tmp_path, capsys)
 
 
 def test_config_errors_are_input_errors():
-    from helpers.config import ConfigError
+    from helpers.training.config import ConfigError
 
     assert issubclass(ConfigError, InputError)
 
@@ -186,7 +188,7 @@ def test_exit_with_freezes_what_lives_before_and_after_the_command_and_keeps_its
     script.write_text(
         "import atexit, gc\n"
         "gc.disable()\n"
-        "from helpers.errors import exit_with\n"
+        "from helpers.core.errors import exit_with\n"
         "seen = {}\n"
         "def tracked(obj): return any(o is obj for o in gc.get_objects())\n"
         "def cli():\n"
@@ -197,7 +199,7 @@ def test_exit_with_freezes_what_lives_before_and_after_the_command_and_keeps_its
         "atexit.register(lambda: print(seen['on'], seen['before'], tracked(seen['made']), tracked([[2]])))\n"
         "exit_with(cli)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert (done.returncode, done.stdout.split(), done.stderr) == (3, ["True", "False", "False", "True"], "")
 

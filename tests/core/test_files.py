@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from helpers import files
-from helpers.files import (
+from helpers.core import files
+from helpers.core.files import (
     move_dir_into_place,
     replace_dir_atomic,
     save_image_atomic,

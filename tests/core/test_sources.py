@@ -1,12 +1,12 @@
-"""helpers.sources (local path or Hub id?) and helpers.outputs (the names of a run's files)."""
+"""helpers.core.sources (local path or Hub id?) and helpers.core.outputs (the names of a run's files)."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers.errors import InputError
-from helpers.outputs import placeholder_tokens_for
-from helpers.sources import classify_source
+from helpers.core.errors import InputError
+from helpers.core.outputs import placeholder_tokens_for
+from helpers.core.sources import classify_source
 
 
 @pytest.mark.parametrize(

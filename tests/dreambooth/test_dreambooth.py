@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import data, models
 from helpers.dreambooth import class_images, lora, training
 from helpers.dreambooth.config import DreamBoothConfig, DreamBoothConfigError, parse_args
-from helpers.engine import prepack
+from helpers.training import data, models
+from helpers.training.engine import prepack
 
 
 def tiny_config(tmp_path, name="run", **overrides) -> DreamBoothConfig:
@@ -443,8 +443,8 @@ def process_runs(tmp_path_factory):
     import subprocess
     import sys
 
-    from helpers import distributed as d
     from helpers import launch
+    from helpers.launching import distributed as d
 
     root = tmp_path_factory.mktemp("dreambooth-processes")
     layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)

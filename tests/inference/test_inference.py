@@ -18,7 +18,9 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from helpers import cpu, inference, models
+from helpers import inference
+from helpers.core import cpu
+from helpers.training import models
 
 STEPS = 4  # denoising steps in parity runs: enough for guidance to amplify any backend difference
 PROMPT = "a photo of <dicoo> on the beach"
@@ -487,7 +489,7 @@ def test_inference_does_not_import_the_training_engine():
     """Reading a run needs file names, not accelerate: helpers.inference imports neither."""
     code = (
         "import sys; from helpers import inference; "
-        "print(sorted(m for m in ('accelerate', 'helpers.textual_inversion') if m in sys.modules))"
+        "print(sorted(m for m in ('accelerate', 'helpers.training.textual_inversion') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
@@ -575,7 +577,7 @@ def test_notebook_05_calibrates_like_the_export_by_default():
     """Papermill parameters must be literals, so the notebook repeats the export's default."""
     import papermill
 
-    from helpers.notebooks import NOTEBOOK_DIR
+    from helpers.workshop.notebooks import NOTEBOOK_DIR
 
     params = papermill.inspect_notebook(str(NOTEBOOK_DIR / "05_openvino_inference.ipynb"))
     assert int(params["calibration_samples"]["default"]) == inference.CALIBRATION_SAMPLES

@@ -1,4 +1,4 @@
-"""helpers.distributed: layouts, hostfiles, accelerate configs, launch commands, pre-flight.
+"""helpers.launching.distributed: layouts, hostfiles, accelerate configs, launch commands, pre-flight.
 
 Multi-host commands are run for real: every MPI flavour starts the exact 4-node x 4-process
 command it was given, on "nodes" that a stand-in for ssh runs on this machine.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import distributed as d
+from helpers.launching import distributed as d
 
 HOSTS4 = ("node1", "node2", "node3", "node4")
 MPIRUNS = {
@@ -147,7 +147,7 @@ def test_configs_load_with_accelerates_loader(tmp_path):
 def test_mixed_precision_no_stays_a_string_and_auto_resolves(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from helpers import cpu
+    from helpers.core import cpu
 
     layout = d.ClusterLayout.local(2)
     for requested, expected in [("no", "no"), ("auto", cpu.choose_precision("auto").mixed_precision)]:
@@ -416,7 +416,7 @@ def test_local_host_detection_knows_this_machines_addresses():
 def test_notebook_03_records(notebook_records, notebook_run_dir):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from helpers import cpu
+    from helpers.core import cpu
 
     r = notebook_records("03_accelerate_config")
     assert r["config_files"] == ["accelerate_config_node0.yaml"] and r["machine_ranks"] == [0]

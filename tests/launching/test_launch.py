@@ -21,8 +21,10 @@ import psutil
 import pytest
 import torch
 
-from helpers import data, faults, launch, supervise
-from helpers import distributed as d
+from helpers import launch
+from helpers.launching import distributed as d
+from helpers.launching import faults, supervise
+from helpers.training import data
 
 # A launcher test script: joins the gloo group through accelerate, then behaves as MODE says.
 RANKS_SCRIPT = """
@@ -348,7 +350,7 @@ def test_two_processes_batch_1_equal_one_process_batch_2(engine_runs):
     """
     from transformers import CLIPTextModel
 
-    from helpers import models
+    from helpers.training import models
 
     losses = {r: history_losses(engine_runs[r]) for r in engine_runs}
     assert losses["mpirun"] == pytest.approx(losses["single"], rel=SPLIT_LOSS_REL)
@@ -409,7 +411,7 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
     hidden, num_vectors = 32, 1  # the toy world's text encoder
     assert r["allreduce_bytes_per_step"] == num_vectors * hidden * 4
     assert r["full_matrix_allreduce_bytes_per_step"] >= 10_000 * r["allreduce_bytes_per_step"]
-    # the scaling model's check against the guide's published run (tests/test_scaling.py has the numbers)
+    # the scaling model's check against the guide's published run (tests/cluster/test_scaling.py has the numbers)
     assert r["scaling_guide_seconds_per_step"] == pytest.approx({"model": 0.627, "published": 1.2}, abs=5e-4)
     assert r["images_per_second"] > 0
     assert r["images_per_second_per_process"] == pytest.approx(r["images_per_second"] / 2)
@@ -427,7 +429,7 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
         r["ray_startup_seconds"]["ray_init_seconds"] > 0
         and r["ray_startup_seconds"]["workers_started_seconds"] > 0
     )
-    assert "-m helpers.ray_launch --nproc_per_node 2 --num_nodes 1 " in r["ray_command"]
+    assert "-m helpers.launching.ray_train --nproc_per_node 2 --num_nodes 1 " in r["ray_command"]
     assert "--ray_address" not in r["ray_command"]
     assert (notebook_run_dir / "outputs" / "pip-toyworld-mpirun-ray" / "learned_embeds.safetensors").is_file()
     # the dry run for notebook 01's planned 3-node cluster (Standard_D8_v5: 4 cores, 2 ranks each)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import data, distributed
+from helpers.launching import distributed
+from helpers.training import data
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """helpers.launch --launcher ray: the Ray Train driver, its bad input, failures and clean-up.
 
-The equivalence with mpirun and one process is in tests/test_launch.py (the same runs are shared).
+The equivalence with mpirun and one process is in tests/launching/test_launch.py (the same runs are shared).
 Runs with Ray are slow (a private runtime and two workers start in 30-60 s on 2 cores).
 """
 
@@ -27,14 +27,16 @@ from test_launch import (
     train_args,
 )  # tests/ is on sys.path under pytest
 
-from helpers import distributed as d
-from helpers import faults, launch, ray_launch, supervise
+from helpers import launch
+from helpers.launching import distributed as d
+from helpers.launching import faults, supervise
+from helpers.launching import ray_train as ray_launch
 
 RAY_PROCESSES = ("raylet", "gcs_server")
 
 
 def ray_temp_dirs() -> set[str]:
-    """Private runtimes' folders (helpers.ray_launch makes /tmp/ray-*)."""
+    """Private runtimes' folders (helpers.launching.ray_train makes /tmp/ray-*)."""
     return {str(p) for p in Path("/tmp").glob("ray-*")}
 
 
@@ -73,7 +75,7 @@ def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
     out = launch._Output(stream, log)
     cmd = d.LaunchCommand(argv=("x",), output_tags="ray")
     pieces = [
-        ("helpers.ray_launch: Ray 2.60.0 started on this machine in 9.0 s", "\n"),
+        ("helpers.launching.ray_train: Ray 2.60.0 started on this machine in 9.0 s", "\n"),
         ("(TrainController pid=11) Attempting to start training worker group of size 2", "\n"),
         (f"(RayTrainWorker pid=22) {ray_launch.WORKER_TAG} rank 1 of 2, pid 22, node 10.0.0.5 (b)", "\n"),
         (f"(RayTrainWorker pid=33, ip=10.0.0.4) {ray_launch.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)", "\n"),
@@ -87,7 +89,7 @@ def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
     for text, end in pieces:
         out.feed(0, cmd, text, end)
     assert stream.getvalue() == (
-        "helpers.ray_launch: Ray 2.60.0 started on this machine in 9.0 s\n"
+        "helpers.launching.ray_train: Ray 2.60.0 started on this machine in 9.0 s\n"
         f"{ray_launch.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)\nprecision: fp32 requested\n"
         "\rbar 50%\r"  # rank 1's line is not shown: the bar goes on redrawing in place
         "bar 60%\nlearned embeddings: out\n"
@@ -213,7 +215,7 @@ def test_dry_run_prints_the_driver_command(tmp_path, capsys, monkeypatch):
     assert comment == f"# ray, on the head node, from {tmp_path}:"
     work = tmp_path / "out" / "launch"
     assert command.startswith(
-        f"{sys.executable} -m helpers.ray_launch --nproc_per_node 4 --num_nodes 3 --threads_per_process 2 "
+        f"{sys.executable} -m helpers.launching.ray_train --nproc_per_node 4 --num_nodes 3 --threads_per_process 2 "
         f"--work_dir {work} --status_dir {work / 'status'} --ray_address auto -- --pretrained_model_name_or_path tiny"
     )
 
@@ -497,8 +499,8 @@ def test_cloud_init_starts_ray_on_every_node_bound_to_its_private_address():
 
     import yaml
 
-    from helpers import azure
-    from helpers.azure import provision
+    from helpers.cluster import azure
+    from helpers.cluster.azure import provision
 
     spec = azure.ClusterSpec(ssh_source_cidr="203.0.113.7/32", node_count=3)
     ray = "/home/azureuser/workshop/.venv/bin/ray"
@@ -530,7 +532,7 @@ def test_cloud_init_starts_ray_on_every_node_bound_to_its_private_address():
     assert f"ExecStopPost={ray} stop --force\n" in unit and "Restart=on-failure\n" in unit
     assert config["runcmd"][1] == ["systemctl", "enable", "--now", "workshop-ray.service"]
     # the pinned Ray is installed by make setup, from requirements.txt, on every node
-    requirements = (Path(__file__).parents[1] / "requirements.txt").read_text().splitlines()
+    requirements = (Path(__file__).parents[2] / "requirements.txt").read_text().splitlines()
     assert f"ray[train]=={ray_launch.ray_version()}" in requirements
     assert "make -C workshop setup" in config["runcmd"][0][-1]
     # Ray's ports are reachable only inside the subnet: the NSG allows intra-subnet and SSH only
@@ -543,7 +545,7 @@ def test_cloud_init_starts_ray_on_every_node_bound_to_its_private_address():
 
 def test_preflight_names_a_node_with_another_ray(tmp_path):
     """Two "nodes" reached through a stand-in for ssh; node1's Python sees a Ray 2.59.0 first."""
-    from helpers import data
+    from helpers.training import data
 
     dist_info = tmp_path / "site" / "ray-2.59.0.dist-info"
     dist_info.mkdir(parents=True)
@@ -583,9 +585,9 @@ def test_bench_launchers_ratios_and_table():
 
 
 def test_make_setup_checks_the_ray_pin():
-    """requirements.txt pins ray[train]; helpers.environment (run by make setup) reads the pin
+    """requirements.txt pins ray[train]; helpers.core.environment (run by make setup) reads the pin
     with its extras and finds that version installed."""
-    from helpers import environment
+    from helpers.core import environment
 
     assert environment.pinned_versions()["ray"] == ray_launch.ray_version() == "2.60.0"
     assert not [p for p in environment.problems() if "ray" in p]

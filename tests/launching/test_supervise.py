@@ -1,4 +1,4 @@
-"""helpers.supervise: a rank's lock says whether it runs, its beats whether it progresses."""
+"""helpers.launching.supervise: a rank's lock says whether it runs, its beats whether it progresses."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-from helpers import supervise
+from helpers.launching import supervise
 
 RANK = """
-from helpers import supervise
+from helpers.launching import supervise
 import sys, time
 supervise.start()
 supervise.beat(sys.argv[1], 7)

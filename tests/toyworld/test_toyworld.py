@@ -2,7 +2,7 @@
 
 The acceptance numbers of Textual Inversion on the toy world (Pip's score before and after the
 tiny profile's training, single process and under mpirun, and composed with a background) are
-asserted on the records of notebooks 02 and 04 (tests/test_notebooks.py, tests/test_launch.py).
+asserted on the records of notebooks 02 and 04 (tests/workshop/test_notebooks.py, tests/launching/test_launch.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import models
-from helpers.errors import InputError
+from helpers.core.errors import InputError
 from helpers.toyworld import build, evaluate, world
 from helpers.toyworld.judge import HEADS, Judge, judge_images, load_judge
+from helpers.training import models
 
 
 # --------------------------------------------------------------------------- the world

@@ -10,8 +10,9 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 from tiny_parts import tiny_config
 from transformers import CLIPTokenizer
 
-from helpers import cpu, models
-from helpers.engine import attention, setup
+from helpers.core import cpu
+from helpers.training import models
+from helpers.training.engine import attention, setup
 
 
 def _output_and_gradient(attn: Attention, processor, x: torch.Tensor, context: torch.Tensor | None):

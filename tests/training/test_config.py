@@ -8,8 +8,8 @@ import shlex
 
 import pytest
 
-from helpers import config as config_module
-from helpers.config import ConfigError, TrainConfig, parse_args
+from helpers.training import config as config_module
+from helpers.training.config import ConfigError, TrainConfig, parse_args
 
 # The command line of the original guides (Intel's textual-inversion recipe), program name removed.
 GUIDE_COMMAND = """

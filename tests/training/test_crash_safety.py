@@ -26,12 +26,9 @@ from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 from tiny_parts import tiny_settings
 
-from helpers import files, models
-from helpers import textual_inversion as ti
-from helpers.config import TrainConfig
-from helpers.engine import checkpoints
-from helpers.errors import InputError
-from helpers.outputs import (
+from helpers.core import files
+from helpers.core.errors import InputError
+from helpers.core.outputs import (
     HISTORY,
     HISTORY_PARTIAL,
     LEARNED_EMBEDS,
@@ -39,9 +36,13 @@ from helpers.outputs import (
     PIPELINE_PARTS,
     SUMMARY,
 )
+from helpers.training import models
+from helpers.training import textual_inversion as ti
+from helpers.training.config import TrainConfig
+from helpers.training.engine import checkpoints
 
 STEPS = 4
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Crash(RuntimeError):
@@ -126,7 +127,7 @@ PIPELINE = {"save_as_full_pipeline": True}
 KILLER = """
 import os, signal, sys
 from pathlib import Path
-from helpers import files
+from helpers.core import files
 from helpers.train import cli
 swap = files.move_dir_into_place
 def killing(src, path):

@@ -1,4 +1,4 @@
-"""helpers.data: bundled sample, folder validation, Hub download (offline), the dataset."""
+"""helpers.training.data: bundled sample, folder validation, Hub download (offline), the dataset."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import data
-from helpers.data import ConceptDataset, ImageFolderError, validate_image_folder
+from helpers.training import data
+from helpers.training.data import ConceptDataset, ImageFolderError, validate_image_folder
 
 SAMPLE_NAMES = ["01_table.png", "02_sky.png", "03_grass_small.png", "04_blanket.png", "05_table_small.png"]
 
@@ -22,7 +22,7 @@ SAMPLE_NAMES = ["01_table.png", "02_sky.png", "03_grass_small.png", "04_blanket.
 def tokenizer():
     """A tiny character-level CLIP tokenizer (no merges) that knows two placeholder tokens.
 
-    Built here rather than taken from helpers.models so these tests depend on nothing but
+    Built here rather than taken from helpers.training.models so these tests depend on nothing but
     transformers: every lowercase letter, digit and ``<>-_`` is a token, with its ``</w>`` form.
     """
     from transformers import CLIPTokenizer
@@ -231,21 +231,21 @@ def _forbid_download(monkeypatch):
 def test_download_offline_fails_before_any_download(monkeypatch, tmp_path):
     from huggingface_hub import constants
 
-    from helpers.models import HubUnavailableError
+    from helpers.training.models import HubUnavailableError
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     _forbid_download(monkeypatch)
     with pytest.raises(HubUnavailableError) as info:
         data.download_concept("sd-concepts-library/dicoo", tmp_path / "dicoo")
     assert "sd-concepts-library/dicoo" in str(info.value)
-    assert "helpers.data.sample_concept_dir()" in str(info.value)
+    assert "helpers.training.data.sample_concept_dir()" in str(info.value)
     assert not (tmp_path / "dicoo").exists()
 
 
 def test_download_unreachable_endpoint_fails_before_any_download(monkeypatch, tmp_path):
     from huggingface_hub import constants
 
-    from helpers.models import HubUnavailableError
+    from helpers.training.models import HubUnavailableError
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
@@ -259,7 +259,7 @@ def test_download_fetches_only_concept_images_and_reuses_them(monkeypatch, tmp_p
 
     import huggingface_hub
 
-    import helpers.models
+    import helpers.training.models
 
     calls = []
 
@@ -271,7 +271,7 @@ def test_download_fetches_only_concept_images_and_reuses_them(monkeypatch, tmp_p
             shutil.copy(p, target / p.name.replace(".png", ".jpeg"))
         return str(kwargs["local_dir"])
 
-    monkeypatch.setattr(helpers.models, "ensure_hub_reachable", lambda what, fix, timeout=3.0: None)
+    monkeypatch.setattr(helpers.training.models, "ensure_hub_reachable", lambda what, fix, timeout=3.0: None)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     dest = tmp_path / "dicoo"
     folder = data.download_concept("sd-concepts-library/dicoo", dest)
@@ -285,7 +285,7 @@ def test_download_fetches_only_concept_images_and_reuses_them(monkeypatch, tmp_p
 
     # Second call: the images are there, so no Hub access at all (works offline).
     _forbid_download(monkeypatch)
-    monkeypatch.setattr(helpers.models, "ensure_hub_reachable", None)
+    monkeypatch.setattr(helpers.training.models, "ensure_hub_reachable", None)
     assert data.download_concept("sd-concepts-library/dicoo", dest) == folder
 
 
@@ -439,7 +439,7 @@ def test_dataset_rejects_bad_arguments(tokenizer, kwargs, match):
 
 
 def test_resolve_concept_sample_folder_and_hub(tmp_path, monkeypatch):
-    from helpers.models import HubUnavailableError
+    from helpers.training.models import HubUnavailableError
 
     assert data.resolve_concept("sample") == data.sample_concept_dir()
     assert data.resolve_concept(data.sample_concept_dir(), min_size=64) == data.sample_concept_dir()

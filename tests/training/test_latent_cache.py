@@ -1,4 +1,4 @@
-"""The persistent latent cache (helpers.engine.latents) on the offline tiny model.
+"""The persistent latent cache (helpers.training.engine.latents) on the offline tiny model.
 
 Every test has its own empty cache (the autouse ``latent_cache_dir`` fixture of conftest.py).
 """
@@ -20,11 +20,13 @@ from PIL import Image
 from safetensors.torch import load_file
 from tiny_parts import tiny_config  # tests/ is on sys.path under pytest
 
-from helpers import cpu, data, models, supervise
-from helpers import textual_inversion as ti
-from helpers.config import parse_args
-from helpers.engine import latents
-from helpers.engine.step import LATENT_BATCH
+from helpers.core import cpu
+from helpers.launching import supervise
+from helpers.training import data, models
+from helpers.training import textual_inversion as ti
+from helpers.training.config import parse_args
+from helpers.training.engine import latents
+from helpers.training.engine.step import LATENT_BATCH
 
 VIEWS = 10  # the 5 sample pictures, each flipped or not
 CALLS = -(-VIEWS // LATENT_BATCH)  # VAE calls per cold start: 3
@@ -180,7 +182,7 @@ def test_a_corrupt_or_foreign_entry_is_ignored_and_rewritten(tmp_path, tiny_dir,
     first.write_bytes(first.read_bytes()[:100])  # truncated
     third.write_bytes(b"not a safetensors file")
     loaded: list = []
-    with caplog.at_level("WARNING", logger="helpers.engine.latents"):
+    with caplog.at_level("WARNING", logger="helpers.training.engine.latents"):
         got = latents.cached_latents(tmp_path, tiny_dir, ds, _loads(loaded))
     assert (got.found, len(loaded)) == (CALLS - 2, 1)
     assert torch.equal(got.mean, reference.mean) and torch.equal(got.std, reference.std)
@@ -191,7 +193,7 @@ def test_a_corrupt_or_foreign_entry_is_ignored_and_rewritten(tmp_path, tiny_dir,
     # an entry of another key under this key's name (a copy, a collision) is not used
     shutil.copy(second, first)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="helpers.engine.latents"):
+    with caplog.at_level("WARNING", logger="helpers.training.engine.latents"):
         got = latents.cached_latents(tmp_path, tiny_dir, ds, _loads(loaded))
     assert got.found == CALLS - 1 and torch.equal(got.mean, reference.mean)
     assert any("does not match its key" in r.getMessage() for r in caplog.records)
@@ -237,7 +239,7 @@ def test_a_cache_that_cannot_be_written_only_warns(tmp_path, tiny_dir, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     ds = _dataset(data.sample_concept_dir())
-    with caplog.at_level("WARNING", logger="helpers.engine.latents"):
+    with caplog.at_level("WARNING", logger="helpers.training.engine.latents"):
         got = latents.cached_latents(blocker / "cache", tiny_dir, ds)
     mean, std = ti.cache_latents(models.load_frozen_vae(tiny_dir), ds)
     assert torch.equal(got.mean, mean) and got.found == 0
@@ -250,8 +252,8 @@ def test_a_cache_that_cannot_be_written_only_warns(tmp_path, tiny_dir, caplog):
 
 WRITER = """
 import sys, torch
-from helpers import data, models
-from helpers.engine import latents
+from helpers.training import data, models
+from helpers.training.engine import latents
 ds = data.ConceptDataset(data.sample_concept_dir(), models.build_clip_tokenizer(), "<x>", size=64, repeats=1)
 got = latents.cached_latents(latents.Path(sys.argv[1]), models.resolve_model("tiny"), ds)
 torch.save(got.mean, sys.argv[2])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import models
+from helpers.training import models
 
 
 def test_tiny_tokenizer_has_the_real_clip_vocabulary():

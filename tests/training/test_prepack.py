@@ -1,4 +1,4 @@
-"""Prepacked convolutions and linear layers (helpers.engine.prepack): the same numbers as PyTorch's
+"""Prepacked convolutions and linear layers (helpers.training.engine.prepack): the same numbers as PyTorch's
 own layers, the gradient still reaching the placeholder, and the engine's choice recorded. Speed is
 ``bench.optimisations --only prepacked_convs,prepacked_linears``'s, never asserted here."""
 
@@ -10,9 +10,10 @@ import pytest
 import torch
 from tiny_parts import tiny_config
 
-from helpers import cpu, models
-from helpers import textual_inversion as ti
-from helpers.engine import prepack
+from helpers.core import cpu
+from helpers.training import models
+from helpers.training import textual_inversion as ti
+from helpers.training.engine import prepack
 
 pytestmark = pytest.mark.skipif(prepack.unavailable() is not None, reason=str(prepack.unavailable()))
 

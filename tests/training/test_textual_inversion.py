@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file
 from tiny_parts import step_parts, tiny_config
 
-from helpers import cpu, data, models
-from helpers import textual_inversion as ti
-from helpers.config import TrainConfig
+from helpers.core import cpu
+from helpers.training import data, models
+from helpers.training import textual_inversion as ti
+from helpers.training.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +327,7 @@ def test_full_pipeline_copies_the_base_unet_and_vae_while_training(two_vector_ru
 
 
 def test_a_failed_pipeline_copy_fails_the_run_and_leaves_no_pipeline(tmp_path, monkeypatch):
-    from helpers.engine import saving
+    from helpers.training.engine import saving
 
     def full_disk(src, dst):
         raise OSError(28, "No space left on device", str(dst))
@@ -355,7 +356,7 @@ def test_bf16_run_keeps_the_saved_unet_fp32_and_untouched(tmp_path, monkeypatch)
     work, the learned rows stay fp32 and the saved pipeline's UNet is the base one, bit for bit."""
     from diffusers import StableDiffusionPipeline
 
-    from helpers.engine import step as engine_step
+    from helpers.training.engine import step as engine_step
 
     seen = []
     original = engine_step.diffusion_loss
@@ -386,7 +387,7 @@ def test_bf16_run_keeps_the_saved_unet_fp32_and_untouched(tmp_path, monkeypatch)
 def test_one_process_can_train_in_bf16_then_fp32():
     """A notebook kernel or a test session may run a bf16 run and then an fp32 one: accelerate's
     process-wide state would refuse the second precision, so each run starts from a clean state."""
-    from helpers.engine.setup import make_accelerator
+    from helpers.training.engine.setup import make_accelerator
 
     first = make_accelerator(cpu.choose_precision("bf16"), gradient_accumulation_steps=2)
     assert (first.mixed_precision, first.gradient_accumulation_steps) == ("bf16", 2)
@@ -461,7 +462,7 @@ def test_cli_has_the_one_shape_and_input_errors_are_one_line(tmp_path, capsys):
     import inspect
 
     from helpers import train as train_module
-    from helpers.errors import InputError
+    from helpers.core.errors import InputError
 
     assert issubclass(ti.TrainingInputError, InputError)
     assert list(inspect.signature(train_module.parse_args).parameters) == ["argv"]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import handouts, notebooks
-from helpers.notebooks import RECORD_MIME
+from helpers.workshop import handouts, notebooks
+from helpers.workshop.notebooks import RECORD_MIME
 
 NOTEBOOKS = notebooks.notebook_paths()
 needs_chromium = pytest.mark.skipif(
@@ -65,7 +65,7 @@ def test_stored_diagrams_are_the_current_rendering(tmp_path):
         copy = tmp_path / path.name
         shutil.copy(path, copy)
         assert handouts.render_diagrams(copy) == [], (
-            f"{path.name}: run `python -m helpers.handouts --diagrams`"
+            f"{path.name}: run `python -m helpers.workshop.handouts --diagrams`"
         )
         assert copy.read_bytes() == path.read_bytes()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import notebooks
+from helpers.workshop import notebooks
 
 NOTEBOOKS = notebooks.notebook_paths()
 
@@ -120,7 +120,7 @@ def test_records_round_trip_through_an_executed_notebook(tmp_path):
     nb = new_notebook(
         cells=[
             new_code_cell(
-                "from helpers.notebooks import record\nrecord('x', {'a': [1, 2.5]})\nrecord('x', 3)\nrecord('y', 'ok')"
+                "from helpers.workshop.notebooks import record\nrecord('x', {'a': [1, 2.5]})\nrecord('x', 3)\nrecord('y', 'ok')"
             )
         ],
         metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},

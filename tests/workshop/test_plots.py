@@ -1,4 +1,4 @@
-"""helpers.plots: figures with the right axes, data and annotations; atomic saving."""
+"""helpers.workshop.plots: figures with the right axes, data and annotations; atomic saving."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from helpers import plots  # noqa: E402
+from helpers.workshop import plots  # noqa: E402
 
 
 def _images(n: int) -> list[Image.Image]:

@@ -20,14 +20,14 @@ back from real VMs, ssh and ``ssh-keyscan`` into them, cloud-init on a node, and
 The tests check every planned command against the real ``az`` parser offline, the script, the
 failure handling through the in-process CLI, and the exact ssh config and hostfile.
 
-The parts: :mod:`~helpers.azure.spec` (the cluster description and its checks),
-:mod:`~helpers.azure.provision` (plan, script, apply, teardown), :mod:`~helpers.azure.azcli`
-(one ``az`` command run in-process), :mod:`~helpers.azure.access` (state, ssh config, hostfile,
-host keys), :mod:`~helpers.azure.cost` (the estimate), :mod:`~helpers.azure.command` (the CLI).
+The parts: :mod:`~helpers.cluster.azure.spec` (the cluster description and its checks),
+:mod:`~helpers.cluster.azure.provision` (plan, script, apply, teardown), :mod:`~helpers.cluster.azure.azcli`
+(one ``az`` command run in-process), :mod:`~helpers.cluster.azure.access` (state, ssh config, hostfile,
+host keys), :mod:`~helpers.cluster.azure.cost` (the estimate), :mod:`~helpers.cluster.azure.command` (the CLI).
 Everything is re-exported here: ``from helpers import azure; azure.plan(spec)``.
 """
 
-from helpers.azure.access import (
+from helpers.cluster.azure.access import (
     ClusterState,
     ClusterStateError,
     Node,
@@ -38,10 +38,10 @@ from helpers.azure.access import (
     verify_nodes,
     write_cluster_files,
 )
-from helpers.azure.azcli import NOT_FOUND_EXIT_CODE, AzCommand, AzCommandError, AzResult, run_az
-from helpers.azure.command import cli, main, parse_args
-from helpers.azure.cost import CostEstimate, estimate_cost
-from helpers.azure.provision import (
+from helpers.cluster.azure.azcli import NOT_FOUND_EXIT_CODE, AzCommand, AzCommandError, AzResult, run_az
+from helpers.cluster.azure.command import cli, main, parse_args
+from helpers.cluster.azure.cost import CostEstimate, estimate_cost
+from helpers.cluster.azure.provision import (
     STATE_QUERY,
     TORCH_CPU_INDEX,
     ApplyResult,
@@ -53,7 +53,7 @@ from helpers.azure.provision import (
     teardown_plan,
     to_script,
 )
-from helpers.azure.spec import (
+from helpers.cluster.azure.spec import (
     OPEN_TO_EVERYONE,
     PLACEHOLDER,
     AzureSpecError,

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers.azure.spec import ClusterSpec
-from helpers.errors import InputError
-from helpers.files import write_text_atomic
+from helpers.cluster.azure.spec import ClusterSpec
+from helpers.core.errors import InputError
+from helpers.core.files import write_text_atomic
 
 
 class ClusterStateError(InputError):
@@ -107,7 +107,7 @@ def ssh_config(state: ClusterState, identity_file: str, known_hosts: str) -> str
         The text of the file; use it as ``ssh -F <file> <node name>``.
     """
     lines = [
-        f"# ssh config of the workshop cluster in resource group {state.resource_group} (helpers.azure).",
+        f"# ssh config of the workshop cluster in resource group {state.resource_group} (helpers.cluster.azure).",
         "# Use: ssh -F <this file> <node name>. Host keys are checked against the project known_hosts.",
     ]
     for node in state.nodes:

@@ -8,12 +8,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from helpers.azure.access import ClusterState, collect_host_keys, write_cluster_files
-from helpers.azure.azcli import AzCommandError
-from helpers.azure.cost import estimate_cost
-from helpers.azure.provision import apply, format_plan, plan, teardown, teardown_plan, to_script
-from helpers.azure.spec import load_spec
-from helpers.errors import run_cli
+from helpers.cluster.azure.access import ClusterState, collect_host_keys, write_cluster_files
+from helpers.cluster.azure.azcli import AzCommandError
+from helpers.cluster.azure.cost import estimate_cost
+from helpers.cluster.azure.provision import apply, format_plan, plan, teardown, teardown_plan, to_script
+from helpers.cluster.azure.spec import load_spec
+from helpers.core.errors import run_cli
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

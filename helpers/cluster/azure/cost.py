@@ -1,11 +1,11 @@
-"""An estimate of what the cluster costs while it exists, from the dated prices in :mod:`helpers.azure_data`."""
+"""An estimate of what the cluster costs while it exists, from the dated prices in :mod:`helpers.cluster.prices`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helpers import azure_data
-from helpers.azure.spec import AzureSpecError, ClusterSpec
+from helpers.cluster import prices as azure_data
+from helpers.cluster.azure.spec import AzureSpecError, ClusterSpec
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def estimate_cost(
         cpus = azure_data.vcpus(spec.vm_size)
         if row is None or row.usd_per_vcpu_hour is None or cpus is None:
             raise AzureSpecError(
-                f"vm_size={spec.vm_size!r}: no price in helpers.azure_data (checked {azure_data.PRICES_CHECKED_ON}). "
+                f"vm_size={spec.vm_size!r}: no price in helpers.cluster.prices (checked {azure_data.PRICES_CHECKED_ON}). "
                 "Fix: pass vm_price_per_hour= from https://azure.microsoft.com/pricing/calculator/"
             )
         vm_price_per_hour = round(row.usd_per_vcpu_hour * cpus, 4)

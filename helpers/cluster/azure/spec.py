@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from helpers import azure_data
-from helpers.errors import InputError, read_yaml
+from helpers.cluster import prices as azure_data
+from helpers.core.errors import InputError, read_yaml
 
 PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
 OPEN_TO_EVERYONE = {"*", "0.0.0.0", "0.0.0.0/0", "::/0", "internet", "any"}

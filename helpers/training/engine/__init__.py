@@ -1,24 +1,24 @@
-"""The textual-inversion engine in parts; :mod:`helpers.textual_inversion` is its front (``train``).
+"""The textual-inversion engine in parts; :mod:`helpers.training.textual_inversion` is its front (``train``).
 
-* :mod:`~helpers.engine.rows`: the placeholder tokens and their trainable rows.
-* :mod:`~helpers.engine.step`: data order, cached latents, keyed random draws, the loss, and
-  :func:`~helpers.engine.step.training_step`, one optimisation step (the benchmarks time this same one).
-* :mod:`~helpers.engine.latents`: the persistent latent cache (a re-run does not load the VAE).
-* :mod:`~helpers.engine.prepack`: the frozen UNet's convolutions and linear layers (and the text
+* :mod:`~helpers.training.engine.rows`: the placeholder tokens and their trainable rows.
+* :mod:`~helpers.training.engine.step`: data order, cached latents, keyed random draws, the loss, and
+  :func:`~helpers.training.engine.step.training_step`, one optimisation step (the benchmarks time this same one).
+* :mod:`~helpers.training.engine.latents`: the persistent latent cache (a re-run does not load the VAE).
+* :mod:`~helpers.training.engine.prepack`: the frozen UNet's convolutions and linear layers (and the text
   encoder's linear layers) with weights laid out for oneDNN once, not in every step
   (``prepack_convs``, ``prepack_linears``).
-* :mod:`~helpers.engine.attention`: the bf16 UNet's attention kernel, chosen by the size of the
+* :mod:`~helpers.training.engine.attention`: the bf16 UNet's attention kernel, chosen by the size of the
   score matrix.
-* :mod:`~helpers.engine.setup`: from settings to a :class:`~helpers.engine.setup.Run` ready to train.
-* :mod:`~helpers.engine.folder`: the state of an output folder (empty, finished, interrupted),
+* :mod:`~helpers.training.engine.setup`: from settings to a :class:`~helpers.training.engine.setup.Run` ready to train.
+* :mod:`~helpers.training.engine.folder`: the state of an output folder (empty, finished, interrupted),
   read before any model loads; what ``--overwrite_output_dir`` removes.
-* :mod:`~helpers.engine.checkpoints`: resumable checkpoints: save, rotate, find, check.
-* :mod:`~helpers.engine.saving`: learned embeddings, JSON records, validation samples, the full pipeline.
+* :mod:`~helpers.training.engine.checkpoints`: resumable checkpoints: save, rotate, find, check.
+* :mod:`~helpers.training.engine.saving`: learned embeddings, JSON records, validation samples, the full pipeline.
 """
 
 from __future__ import annotations
 
-from helpers.errors import InputError
+from helpers.core.errors import InputError
 
 
 class TrainingInputError(InputError):

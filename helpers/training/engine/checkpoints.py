@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from helpers import files
-from helpers.engine import TrainingInputError
-from helpers.engine.saving import save_learned_embeds, write_json
-from helpers.errors import one_line
-from helpers.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, TRAIN_CONFIG
+from helpers.core import files
+from helpers.core.errors import one_line
+from helpers.core.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, TRAIN_CONFIG
+from helpers.training.engine import TrainingInputError
+from helpers.training.engine.saving import save_learned_embeds, write_json
 
 _NAME = re.compile(r"checkpoint-(\d+)")
 _STATE_FILE = "random_states_0.pkl"  # accelerate's save_state writes it for rank 0, whatever was prepared
@@ -98,7 +98,7 @@ def save_checkpoint(
     Complete or absent: every process writes accelerate's state into ``.checkpoint-{step}.tmp`` (a
     name all processes know); once all are done the main process adds the learned rows and the
     run's settings, records the history so far (``history.json.partial``) and swaps the folder in
-    (:func:`helpers.files.move_dir_into_place`). Only then are old checkpoints removed, each
+    (:func:`helpers.core.files.move_dir_into_place`). Only then are old checkpoints removed, each
     renamed aside first, so a crash at any moment leaves every checkpoint name whole.
 
     Args:

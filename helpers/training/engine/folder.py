@@ -17,8 +17,7 @@ from typing import Any
 
 import yaml
 
-from helpers.engine import TrainingInputError
-from helpers.outputs import (
+from helpers.core.outputs import (
     CHECKPOINTS,
     HISTORY,
     HISTORY_PARTIAL,
@@ -30,6 +29,7 @@ from helpers.outputs import (
     SUMMARY,
     TRAIN_CONFIG,
 )
+from helpers.training.engine import TrainingInputError
 
 EMPTY, FINISHED, INTERRUPTED = "empty", "finished", "interrupted"
 IDENTITY = ("seed", "pretrained_model_name_or_path", "placeholder_token", "num_vectors")
@@ -39,7 +39,7 @@ _FILES = (TRAIN_CONFIG, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, SUMMARY)
 _DIRS = (CHECKPOINTS, SAMPLES, PIPELINE_DIR)  # PIPELINE_DIR: where earlier versions put the pipeline
 _STEP_EMBEDS = re.compile(r"learned_embeds-steps-\d+\.safetensors")
 # Hidden temporaries are named after what they were becoming: ".<stem>.<pid>-<hex>.tmp<suffix>"
-# (helpers.files), ".checkpoint-N.tmp", ".<name>.<pid>-<hex>.old" (a folder swapped out).
+# (helpers.core.files), ".checkpoint-N.tmp", ".<name>.<pid>-<hex>.old" (a folder swapped out).
 _STEMS = {name.split(".")[0] for name in (*_FILES, *_DIRS, MODEL_INDEX, *PIPELINE_PARTS)}
 _HIDDEN_STEM = re.compile(r"\.(learned_embeds-steps-\d+|[A-Za-z_]+)\.")
 
@@ -126,7 +126,7 @@ def _is_leftover_name(name: str) -> bool:
 
 def inspect_output_dir(output_dir: str | os.PathLike) -> OutputFolder:
     """Read the state of ``output_dir`` (nothing is changed)."""
-    from helpers.engine.checkpoints import list_checkpoints
+    from helpers.training.engine.checkpoints import list_checkpoints
 
     path = Path(output_dir)
     if not path.is_dir():

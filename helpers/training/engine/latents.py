@@ -7,8 +7,8 @@ how it computes, so this module keeps them in one folder for every run and proce
 keyed by all of that: a re-run, a resumed run, or another rank with the same images does not load
 the VAE at all.
 
-The unit of the cache is one VAE call (:data:`~helpers.engine.step.LATENT_BATCH` views, grouped as
-:func:`~helpers.engine.step.cache_latents` groups them), because the encoder's rounding depends on
+The unit of the cache is one VAE call (:data:`~helpers.training.engine.step.LATENT_BATCH` views, grouped as
+:func:`~helpers.training.engine.step.cache_latents` groups them), because the encoder's rounding depends on
 the batch (and on the threads). An entry is exactly what that call computes here, so a run's
 results are the same bit for bit whether the cache is cold, warm, partly warm or off.
 
@@ -29,7 +29,7 @@ safe. An entry that cannot be read or does not match its key is encoded again an
 cache that cannot be written is named in a warning and never stops a run.
 
 Where: ``latent_cache_dir``, else ``$WORKSHOP_LATENT_CACHE``, else ``latents/`` in the project's
-cache folder (:func:`helpers.models.cache_dir`). Off: ``--no-latent_cache`` or
+cache folder (:func:`helpers.training.models.cache_dir`). Off: ``--no-latent_cache`` or
 ``WORKSHOP_LATENT_CACHE=off``. To clear it, delete the folder.
 """
 
@@ -46,9 +46,9 @@ from pathlib import Path
 
 import torch
 
-from helpers import data, models
-from helpers.engine.step import encode_views, view_batches
-from helpers.files import write_bytes_atomic, write_path_atomic
+from helpers.core.files import write_bytes_atomic, write_path_atomic
+from helpers.training import data, models
+from helpers.training.engine.step import encode_views, view_batches
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ class CachedLatents:
     """Every view's latent distribution, and what the cache did.
 
     Attributes:
-        mean, std: ``[num_views, 4, size/8, size/8]`` float32, as :func:`~helpers.engine.step.cache_latents` returns.
+        mean, std: ``[num_views, 4, size/8, size/8]`` float32, as :func:`~helpers.training.engine.step.cache_latents` returns.
         scaling_factor: the VAE's latent scaling factor.
-        calls: VAE calls a run needs (one per :data:`~helpers.engine.step.LATENT_BATCH` views).
+        calls: VAE calls a run needs (one per :data:`~helpers.training.engine.step.LATENT_BATCH` views).
         found: how many of them were read from the cache.
         vae_loaded: whether the VAE was loaded (some call was missing).
     """
@@ -241,7 +241,7 @@ def cached_latents(
         model_dir: the model's local folder (its ``vae/`` is hashed, and loaded if needed).
         dataset: the views to encode.
         vae_loader: ``vae_loader(model_dir, dtype)`` loads the VAE; default
-            :func:`helpers.models.load_frozen_vae`.
+            :func:`helpers.training.models.load_frozen_vae`.
         dtype: the VAE's weights and arithmetic: float32, or bfloat16 in bf16 runs (as diffusers'
             script encodes; the latents are returned in float32 either way).
     """

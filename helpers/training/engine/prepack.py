@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from helpers import cpu
+from helpers.core import cpu
 
 # The copies may take at most this fraction of this process's share of the node's free memory.
 MEMORY_SHARE = 0.5
@@ -121,7 +121,7 @@ def restore(module: torch.nn.Module) -> None:
     elif module.weight.numel() == 0:
         raise RuntimeError(
             f"{type(module).__name__}: its dense weight was freed once its prepacked copies existed, and "
-            "this module has none (a deep copy?). Fix: call helpers.engine.prepack.restore(module) on the "
+            "this module has none (a deep copy?). Fix: call helpers.training.engine.prepack.restore(module) on the "
             "original before copying it."
         )
 

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from helpers import outputs
-from helpers.engine import TrainingInputError
-from helpers.errors import InputError
+from helpers.core import outputs
+from helpers.core.errors import InputError
+from helpers.training.engine import TrainingInputError
 
 
 def placeholder_tokens_for(placeholder_token: str, num_vectors: int) -> list[str]:

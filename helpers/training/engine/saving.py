@@ -14,18 +14,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from helpers import files, supervise
-from helpers.engine.rows import write_rows
-from helpers.outputs import MODEL_INDEX, PIPELINE_PARTS
+from helpers.core import files
+from helpers.core.outputs import MODEL_INDEX, PIPELINE_PARTS
+from helpers.launching import supervise
+from helpers.training.engine.rows import write_rows
 
 if TYPE_CHECKING:
-    from helpers.engine.setup import Run
+    from helpers.training.engine.setup import Run
 
 
 def save_learned_embeds(path: str | os.PathLike, placeholder_token: str, vectors: torch.Tensor) -> Path:
     """Write ``{placeholder_token: [num_vectors, hidden]}``, the format ``load_textual_inversion`` reads.
 
-    Atomically (:func:`helpers.files.write_path_atomic`): the file is complete or absent.
+    Atomically (:func:`helpers.core.files.write_path_atomic`): the file is complete or absent.
     """
     state = {placeholder_token: vectors.detach().float().cpu().contiguous()}
     return files.write_path_atomic(path, lambda tmp: save_file(state, str(tmp)))
@@ -103,7 +104,7 @@ class PipelineCopy:
     They make 3.6 of the 4.1 GB an SD v1.5 pipeline writes, and training never changes them. Copied
     in a background thread (the GIL is free while the kernel writes), the copy and the disk's writes
     overlap the first steps instead of following the last one: the save after the last step goes
-    from 10 s to 1 s. The files are written by :func:`helpers.files.copy_file_uncached`, which
+    from 10 s to 1 s. The files are written by :func:`helpers.core.files.copy_file_uncached`, which
     leaves the steps their CPUs and memory (its docstring says what a page-cache copy cost them;
     the whole command's numbers are in the README). Only parts the base holds as
     diffusers writes them (:data:`UNCHANGED_PARTS`) are copied, byte for byte;
@@ -113,7 +114,7 @@ class PipelineCopy:
     Args:
         model_dir: the base model's local folder.
         output_dir: the run's output folder; the temporary is a hidden folder inside it, which
-            :func:`helpers.engine.folder.clear_leftovers` removes if the process dies.
+            :func:`helpers.training.engine.folder.clear_leftovers` removes if the process dies.
     """
 
     def __init__(self, model_dir: str | os.PathLike, output_dir: str | os.PathLike):
@@ -175,9 +176,9 @@ def save_full_pipeline(run: Run, output_dir: Path, copied: PipelineCopy) -> Path
 
     Complete or absent: the pipeline is saved into a hidden folder inside ``output_dir`` (``copied``'s),
     any old ``model_index.json`` is removed, each component folder is moved in
-    (:func:`helpers.files.move_dir_into_place`) and ``model_index.json`` is written last. A crash
+    (:func:`helpers.core.files.move_dir_into_place`) and ``model_index.json`` is written last. A crash
     leaves no ``model_index.json``; the next run removes the half-moved parts
-    (:func:`helpers.engine.folder.clear_leftovers`). Main process only.
+    (:func:`helpers.training.engine.folder.clear_leftovers`). Main process only.
     """
     from diffusers import StableDiffusionPipeline
 

@@ -13,16 +13,18 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
 
-from helpers import cpu, data, distributed, models, supervise
-from helpers.config import TrainConfig
-from helpers.engine import attention, latents, prepack
-from helpers.engine.rows import (
+from helpers.core import cpu
+from helpers.launching import distributed, supervise
+from helpers.training import data, models
+from helpers.training.config import TrainConfig
+from helpers.training.engine import attention, latents, prepack
+from helpers.training.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
     add_placeholder_tokens,
     placeholder_tokens_for,
 )
-from helpers.engine.step import AllreduceCounter, EpochSampler, IndexedDataset, StepParts
+from helpers.training.engine.step import AllreduceCounter, EpochSampler, IndexedDataset, StepParts
 
 logger = get_logger(__name__)
 
@@ -34,13 +36,13 @@ class Run:
     Attributes:
         config: the settings.
         accelerator: the processes, precision and prepared objects.
-        precision: the precision chosen for this CPU (:func:`helpers.cpu.choose_precision`).
+        precision: the precision chosen for this CPU (:func:`helpers.core.cpu.choose_precision`).
         model_dir: the local folder of the base model.
         output_dir: where the run writes.
         tokenizer, text_encoder, unet: with the placeholder tokens added (the UNet may be bf16).
         token_ids, tokens: the new tokens' ids and names.
         hook: routes the text encoder's embedding through the learned rows while training.
-        parts: what :func:`~helpers.engine.step.training_step` needs.
+        parts: what :func:`~helpers.training.engine.step.training_step` needs.
         counter: the all-reduce byte counter (all-reduces only with several processes).
         sampler, loader: the data order and the prepared loader.
         steps_per_epoch, max_steps, num_epochs: the schedule.
@@ -81,7 +83,7 @@ def make_accelerator(precision: cpu.PrecisionChoice, gradient_accumulation_steps
     process (a notebook kernel that trains twice, a test session) asks for that, for example bf16
     chosen by ``auto`` and then ``no``. Without a process group there is nothing in that state to
     keep, so it is cleared first; in a multi-process job (process group up) it is left alone.
-    The process group's backend is the one the launcher chose (:func:`helpers.distributed.init_backend`).
+    The process group's backend is the one the launcher chose (:func:`helpers.launching.distributed.init_backend`).
     """
     distributed.init_backend()
     if not torch.distributed.is_initialized():
@@ -98,7 +100,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     """Load the modules, add the tokens, cache the latents, build optimizer, loader and schedule.
 
     Args:
-        config: checked settings (:func:`helpers.textual_inversion.check_inputs`).
+        config: checked settings (:func:`helpers.training.textual_inversion.check_inputs`).
         model_dir: the base model's local folder.
         tokenizer: its tokenizer (the placeholder tokens are added to it).
     """
@@ -224,7 +226,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
 
 def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cpu.PrecisionChoice):
     """Text encoder (trainable rows added), UNet, noise schedule; everything frozen. Not the VAE
-    (:mod:`helpers.engine.latents` loads it only when latents are missing)."""
+    (:mod:`helpers.training.engine.latents` loads it only when latents are missing)."""
     # With bf16 the UNet, only ever read, is loaded in bf16, as diffusers' script casts it: no step
     # re-casts its 860 M weights (autocast would, and hold the casts for the backward). Saving the
     # full pipeline takes the UNet from the base model, untouched.

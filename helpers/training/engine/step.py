@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from helpers import data, supervise
-from helpers.engine import TrainingDivergedError
+from helpers.launching import supervise
+from helpers.training import data
+from helpers.training.engine import TrainingDivergedError
 
 # --- data and latents --------------------------------------------------------------------------
 
@@ -52,7 +53,7 @@ class IndexedDataset(torch.utils.data.Dataset):
 
 LATENT_BATCH = 4
 """Views per VAE call. The encoder's rounding depends on the batch (measured: 2e-6 between batches
-of 1 and 4), so the persistent latent cache (:mod:`helpers.engine.latents`) keeps whole batches."""
+of 1 and 4), so the persistent latent cache (:mod:`helpers.training.engine.latents`) keeps whole batches."""
 
 
 def view_batches(num_views: int, batch_size: int = LATENT_BATCH) -> list[range]:
@@ -186,13 +187,13 @@ def _plain_backward(loss: torch.Tensor) -> None:
 class StepParts:
     """Everything one optimisation step touches: the frozen modules, the rows, the optimizer, the latents.
 
-    The engine builds it from the accelerator's objects (:func:`helpers.engine.setup.setup_run`);
-    ``bench.common`` from plain ones. The rows take part through an :class:`~helpers.engine.rows.EmbeddingHook`
+    The engine builds it from the accelerator's objects (:func:`helpers.training.engine.setup.setup_run`);
+    ``bench.common`` from plain ones. The rows take part through an :class:`~helpers.training.engine.rows.EmbeddingHook`
     installed on ``text_encoder`` by whoever built the parts.
 
     Attributes:
         unet, text_encoder, noise_scheduler: the frozen modules and the training noise schedule.
-        learned: the :class:`~helpers.engine.rows.LearnedEmbeddings` (or a wrapper with ``.module``).
+        learned: the :class:`~helpers.training.engine.rows.LearnedEmbeddings` (or a wrapper with ``.module``).
         optimizer: over the learned rows only.
         latent_mean, latent_std: every view's cached latent distribution (:func:`cache_latents`).
         scaling_factor: the VAE's latent scaling factor.

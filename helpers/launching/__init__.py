@@ -1,0 +1,1 @@
+"""Starting and supervising the same training on several processes and machines: mpirun, torchrun and Ray Train."""
