@@ -1,9 +1,11 @@
-"""Turn the JSON results under ``bench/results/`` into the markdown tables of the README.
+"""Turn the JSON results under ``bench/results/`` into markdown tables: the one home of every figure.
 
-python -m bench.report     # writes bench/results/README_table.md and the README's Performance tables
+python -m bench.report     # writes bench/results/README_table.md, docs/performance.md's tables, README's headline
 
-The README's tables sit between the markers ``<!-- bench:begin -->`` and ``<!-- bench:end -->``;
-everything outside them is left as it is.
+``docs/performance.md`` holds every table between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``;
+``README.md`` holds one headline table between ``<!-- bench:headline:begin -->`` and
+``<!-- bench:headline:end -->``. Everything outside the markers is left as it is, and
+``tests/test_bench.py`` fails when the committed text differs from what this renders.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from helpers import inference
 from helpers.core.files import write_text_atomic
 
 README = common.ROOT / "README.md"
+PERFORMANCE = common.ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- bench:headline:begin -->", "<!-- bench:headline:end -->"
 VARIANT_LABELS = {
     "pytorch_fp32": "PyTorch fp32",
     "openvino_dynamic": "OpenVINO dynamic",
@@ -37,11 +41,11 @@ OPTION_NOTES = {
     "(`helpers/training/engine/attention.py`), against SDPA everywhere",
     "flush_denormal": "`torch.set_flush_denormal(True)`",
     "prepacked_convs": "conv weights laid out for oneDNN once, forward and input gradient "
-    "(`helpers/training/engine/prepack.py`); two copies of them, which replace the dense weights: +2.2 GiB fp32, "
-    "+1.1 GiB bf16",
+    "(`helpers/training/engine/prepack.py`); two copies of them, less the dense weights they free "
+    "(`prepack.copy_bytes`, SD v1.5 UNet): +2.2 GiB fp32, +1.1 GiB bf16",
     "prepacked_linears": "linear-layer weights laid out for oneDNN once, forward and input gradient "
-    "(`helpers/training/engine/prepack.py`); two copies of them, which replace the dense weights: +1.0 GiB fp32, "
-    "+0.5 GiB bf16",
+    "(`helpers/training/engine/prepack.py`); two copies of them, less the dense weights they free "
+    "(`prepack.linear_copy_bytes`, SD v1.5 UNet): +1.0 GiB fp32, +0.5 GiB bf16",
     "prepacked_text_encoder": "the text encoder's frozen linear layers laid out once too (its bf16 "
     "runs compute on bf16 copies of its fp32 weights instead of autocast casting them every step)",
     "prepacked_convs_forward": "the forward's copy only (half the memory), against no copies",
@@ -56,31 +60,110 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default=str(common.RESULTS), help="folder of result JSON files")
     parser.add_argument("--out", default=None, help="markdown file (default RESULTS/README_table.md)")
-    parser.add_argument("--readme", default=str(README), help="README whose tables to replace ('' for none)")
+    parser.add_argument("--docs", default=str(PERFORMANCE), help="page whose tables to replace ('' for none)")
+    parser.add_argument(
+        "--readme", default=str(README), help="README whose headline table to replace ('' for none)"
+    )
     return parser.parse_args(argv)
+
+
+def load(results: Path) -> dict[str, dict[str, Any]]:
+    """Every result file of a folder, by file stem (the keys :func:`render` and :func:`headline` read)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
 
 
 def main(args: argparse.Namespace) -> str:
     results = Path(args.results)
-    loaded = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+    loaded = load(results)
     text = render(loaded)
-    write_text_atomic(args.out or results / "README_table.md", text)
+    # Both pages are checked before either is written, so a missing marker leaves neither half-updated.
+    pages = {}
+    if args.docs:
+        pages[args.docs] = replace_block(Path(args.docs).read_text(), text)
     if args.readme:
-        write_text_atomic(args.readme, replace_block(Path(args.readme).read_text(), text))
+        pages[args.readme] = replace_block(
+            Path(args.readme).read_text(), headline(loaded), HEADLINE_BEGIN, HEADLINE_END
+        )
+    write_text_atomic(args.out or results / "README_table.md", text)
+    for path, page in pages.items():
+        write_text_atomic(path, page)
     print(text)
     return text
 
 
-def replace_block(readme: str, tables: str) -> str:
-    """``readme`` with the text between the bench markers replaced by ``tables``.
+def replace_block(page: str, tables: str, begin: str = BEGIN, end: str = END) -> str:
+    """``page`` with the text between the markers ``begin`` and ``end`` replaced by ``tables``.
 
     Raises:
         ValueError: the markers are missing or out of order (nothing is written then).
     """
-    start, end = readme.find(BEGIN), readme.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"the README needs the lines {BEGIN} and {END} (in that order) around its tables")
-    return readme[: start + len(BEGIN)] + "\n" + tables + readme[end:]
+    start, stop = page.find(begin), page.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"the page needs the lines {begin} and {end} (in that order) around its tables")
+    return page[: start + len(begin)] + "\n" + tables + page[stop:]
+
+
+def headline(results: dict[str, dict[str, Any]]) -> str:
+    """The README's one table: ours against the reference on the SD v1.5 shape, each row from its file.
+
+    Rows whose result file is missing are left out, so a partial results folder still renders.
+    """
+    rows = []
+    for precision, stem in (
+        ("fp32", "train_step-sd15-shape-256px"),
+        ("bf16", "train_step-sd15-shape-256px-bf16"),
+    ):
+        if stem in results:
+            r = results[stem]
+            ours, ref = (r["modes"][m]["seconds_per_step"]["median"] for m in ("ours", "reference"))
+            rows.append(
+                f"| one training step, {precision} | {ours:.2f} s | {ref:.2f} s | **{r['speedup']:.2f}x** "
+                f"| `{stem}.json` |"
+            )
+    for steps, precision in ((30, "fp32"), (30, "bf16"), (200, "fp32")):
+        stem = f"end_to_end-sd15-shape-256px-{steps}steps-{precision}"
+        if stem in results:
+            r = results[stem]
+            m = r["medians"]
+            rows.append(
+                f"| the guides' command, {steps} steps, {precision}, first run | "
+                f"{m['ours']['wall_seconds']:.0f} s | {m['reference']['wall_seconds']:.0f} s | "
+                f"**{r['speedup_ours']:.2f}x** | `{stem}.json` |"
+            )
+    stem = "allreduce-sd15-shape-256px"
+    if stem in results:
+        r = results[stem]
+        ours, ref = (r["modes"][m]["allreduce_bytes_per_step"] for m in ("ours", "reference"))
+        rows.append(
+            f"| bytes all-reduced per step | {ours:,} | {ref:,} | **{r['bytes_ratio']:,.0f}x fewer** "
+            f"| `{stem}.json` |"
+        )
+    stem = "inference-sd15-shape-256px"
+    if stem in results:
+        r = results[stem]
+        fastest = max(r["speedup_vs_pytorch"], key=r["speedup_vs_pytorch"].get)
+        rows.append(
+            f"| one image, 10 steps: {VARIANT_LABELS.get(fastest, fastest)} against PyTorch fp32 | "
+            f"{r['seconds_per_image'][fastest]:.2f} s | {r['seconds_per_image']['pytorch_fp32']:.1f} s | "
+            f"**{r['speedup_vs_pytorch'][fastest]:.2f}x** at {r['psnr_vs_pytorch_db'][fastest]:.1f} dB "
+            f"| `{stem}.json` |"
+        )
+    machines = sorted(
+        {
+            describe_machine(results[k]["machine"])
+            for k in results
+            if "machine" in results[k] and k.startswith("train_step-")
+        }
+    )
+    head = [
+        "SD v1.5 shape (random weights), 256 px, batch 1; medians"
+        + "".join(f"; measured on {m}" for m in machines)
+        + ".",
+        "",
+        "| what | ours | reference | ours / reference | result file (`bench/results/`) |",
+        "|---|---|---|---|---|",
+    ]
+    return "\n".join(head + rows) + "\n"
 
 
 def describe_machine(m: dict[str, Any]) -> str:
@@ -214,7 +297,80 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out.extend(_option_rows(name, o, precision))
     if infer:
         out += ["", *_inference_table(infer)]
+    for k, r in results.items():
+        if k.startswith("dreambooth-"):  # bench/dreambooth.py: DreamBooth-LoRA's step against diffusers'
+            out += ["", *_dreambooth_table(r)]
+    for k, r in results.items():
+        if k.startswith("launchers-"):  # bench/launchers.py: Ray Train against mpirun and torchrun
+            out += ["", *_launchers_table(r)]
+    for k, r in results.items():
+        if k.startswith("stress_launch"):  # bench/stress_launch.py: jobs that end on their own under load
+            out += [
+                "",
+                f"Launch under load (`bench.stress_launch`: {r['runs']} two-process tiny jobs, mpirun and "
+                f"torchrun alternating, {r['load']['cpu_processes']} busy processes and "
+                f"{r['load']['memory_gb']:g} GB held beside them): {r['ok']} of {r['runs']} ended on their own, "
+                f"{r['failures']} failures, {r['hangs']} hangs; wall time per run p50 {r['p50_seconds']:.1f} s, "
+                f"p95 {r['p95_seconds']:.1f} s.",
+            ]
     return "\n".join(out) + "\n"
+
+
+def _dreambooth_table(r: dict[str, Any]) -> list[str]:
+    """DreamBooth-LoRA with prior preservation: ours against diffusers' step written out."""
+    lines = [
+        f"DreamBooth-LoRA ({r['model']}, {r['resolution']} px, {_precision(r)}, {r['batch']} subject + "
+        f"{r['batch']} class picture per step, LoRA rank {r['rank']}; medians of {r['steps']} steps):",
+        "",
+        "| mode | s/step (median, min) | images/s | VAE + text encoder per step | peak RSS |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("ours", "reference"):
+        m = r["modes"][name]
+        lines.append(
+            f"| {name} | {m['seconds_per_step']['median']:.2f} ({m['seconds_per_step']['min']:.2f}) | "
+            f"{m['images_per_second']:.2f} | {m['inputs_seconds']:.3f} s | {_gib(m['peak_rss_mib'])} |"
+        )
+    lines.append(f"| **ours / reference** | **{r['speedup']:.2f}x faster** | | | {r['rss_ratio']:.2f} |")
+    pictures = r.get("class_image_seconds")
+    if isinstance(pictures, dict):  # prepacked against plain, each in a fresh process
+        pictures = (
+            f" One class picture (25 DPM-Solver++ steps): {pictures['prepacked']:.1f} s with the UNet's "
+            f"convolutions prepacked, {pictures['plain']:.1f} s plain "
+            f"({pictures['plain'] / pictures['prepacked']:.2f}x)."
+        )
+    elif pictures:
+        pictures = f" One class picture (25 DPM-Solver++ steps): {pictures:.1f} s."
+    lines += [
+        "",
+        f"All-reduced per step: the LoRA's {r['lora_parameters']:,} values ({r['allreduce_bytes_per_step']:,} "
+        f"bytes) against {r['full_unet_allreduce_bytes_per_step']:,} for the whole UNet." + (pictures or ""),
+    ]
+    return lines
+
+
+def _launchers_table(r: dict[str, Any]) -> list[str]:
+    """The same run through each launcher: images/s while training, wall time, Ray's start-up apart."""
+    lines = [
+        f"Launchers ({r['model']}, {r['resolution']} px, {r['processes']} processes x "
+        f"{r['threads_per_process']} thread, {r['steps']} steps; medians and ranges of the runs):",
+        "",
+        "| launcher | runs | images/s (median, range) | vs mpirun | wall time of the run, s "
+        "| Ray start-up, s (ray.init; workers) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, v in r["launchers"].items():
+        lo, hi = v["images_per_second_range"]
+        ray = (
+            f"{v['ray_init_seconds_median']:.1f}; {v['workers_started_seconds_median']:.1f}"
+            if "ray_init_seconds_median" in v
+            else "-"
+        )
+        lines.append(
+            f"| {name} | {v['ok']} of {v['runs']} | {v['images_per_second_median']:.1f} ({lo:.1f}-{hi:.1f}) | "
+            f"{v['images_per_second_vs_mpirun']:.2f}x | {v['wall_seconds_median']:.1f} | {ray} |"
+        )
+    return lines
 
 
 ONEDNN_ORDER = ("convolution", "reorder_weights", "reorder_activations", "matmul", "inner_product")

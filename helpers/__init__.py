@@ -1,7 +1,10 @@
 """helpers: the small, tested package behind the Stable Diffusion on CPU clusters workshop.
 
-One topic per module: config, models, data, cpu, textual_inversion, distributed, launch, azure,
-inference, plots, notebooks, toyworld. Import the module you need, e.g. ``from helpers import models``.
+Grouped by what it does: ``core`` (errors, files, the CPU), ``training`` (the textual-inversion
+engine), ``dreambooth``, ``launching`` (the launcher's side of a multi-process job), ``ranks`` (a
+rank's side), ``cluster`` (Azure, prices, the scaling model), ``inference``, ``toyworld`` and
+``workshop`` (notebooks, handouts, plots, forms). Every module is listed once, in
+``docs/architecture.md``. Import the module you need, e.g. ``from helpers.training import models``.
 """
 
 from helpers.core.quiet import install_log_filters

@@ -296,16 +296,63 @@ def test_process_level_rows_show_each_launch_range_and_flag_overlaps():
     ]
 
 
-def test_readme_performance_tables_are_the_committed_results():
-    """The README shows exactly what ``python -m bench.report`` renders from ``bench/results``."""
-    loaded = {p.stem: json.loads(p.read_text()) for p in sorted(common.RESULTS.glob("*.json"))}
+def test_committed_tables_are_what_report_renders_from_the_results():
+    """docs/performance.md, the README's headline and README_table.md are exactly ``bench.report``'s output.
+
+    Run ``python -m bench.report`` after changing a result file or the report's code.
+    """
+    loaded = report.load(common.RESULTS)
     tables = report.render(loaded)
+    page = report.PERFORMANCE.read_text()
+    assert report.replace_block(page, tables) == page
     readme = report.README.read_text()
-    assert report.replace_block(readme, tables) == readme
+    assert (
+        report.replace_block(readme, report.headline(loaded), report.HEADLINE_BEGIN, report.HEADLINE_END)
+        == readme
+    )
+    assert (common.RESULTS / "README_table.md").read_text() == tables
+    amx = common.RESULTS / "xeon-amx"  # the second machine's tables: python -m bench.report --results <it>
+    assert (amx / "README_table.md").read_text() == report.render(report.load(amx))
     step = loaded["train_step-sd15-shape-256px"]
     ours = step["modes"]["ours"]["seconds_per_step"]["median"]
-    assert f"| sd15-shape | 256 | 1 | fp32 | ours | {ours:.2f} |" in readme
-    assert f"**{step['speedup']:.2f}x faster**" in readme
+    assert f"| sd15-shape | 256 | 1 | fp32 | ours | {ours:.2f} |" in page
+    assert f"| one training step, fp32 | {ours:.2f} s |" in readme
+    assert f"**{step['speedup']:.2f}x**" in readme
+
+
+def test_headline_has_a_row_per_result_file_and_leaves_out_missing_ones():
+    loaded = report.load(common.RESULTS)
+    rows = [line for line in report.headline(loaded).splitlines() if line.endswith(".json` |")]
+    assert [line.rsplit("`", 2)[1] for line in rows] == [
+        "train_step-sd15-shape-256px.json",
+        "train_step-sd15-shape-256px-bf16.json",
+        "end_to_end-sd15-shape-256px-30steps-fp32.json",
+        "end_to_end-sd15-shape-256px-30steps-bf16.json",
+        "end_to_end-sd15-shape-256px-200steps-fp32.json",
+        "allreduce-sd15-shape-256px.json",
+        "inference-sd15-shape-256px.json",
+    ]
+    only = {"allreduce-sd15-shape-256px": loaded["allreduce-sd15-shape-256px"]}
+    assert report.headline(only).splitlines()[-1] == (
+        "| bytes all-reduced per step | 3,072 | 151,784,448 | **49,409x fewer** | `allreduce-sd15-shape-256px.json` |"
+    )
+
+
+def test_report_writes_neither_page_when_one_lacks_its_markers(tmp_path):
+    docs, readme = tmp_path / "performance.md", tmp_path / "README.md"
+    docs.write_text(f"intro\n{report.BEGIN}\nold\n{report.END}\nafter\n")
+    readme.write_text("no markers here\n")
+    args = report.parse_args(["--out", str(tmp_path / "t.md"), "--docs", str(docs), "--readme", str(readme)])
+    with pytest.raises(ValueError, match="bench:headline:begin"):
+        report.main(args)
+    assert docs.read_text() == f"intro\n{report.BEGIN}\nold\n{report.END}\nafter\n"
+    assert not (tmp_path / "t.md").exists()
+    readme.write_text(f"top\n{report.HEADLINE_BEGIN}\n{report.HEADLINE_END}\nend\n")
+    report.main(args)
+    assert docs.read_text().startswith(f"intro\n{report.BEGIN}\nMeasured on: ")
+    assert docs.read_text().endswith(f"{report.END}\nafter\n")
+    assert readme.read_text().startswith(f"top\n{report.HEADLINE_BEGIN}\nSD v1.5 shape")
+    assert (tmp_path / "t.md").read_text() == report.render(report.load(common.RESULTS))
 
 
 @pytest.mark.slow
