@@ -133,11 +133,9 @@ def exit_with(cli: Callable[[], int]) -> NoReturn:
     """``raise SystemExit(cli())`` for a ``python -m`` command that loads models, minus the cycle
     collector's passes over objects that live until the process ends.
 
-    Python's full collections walk every object it tracks, and the modules torch, diffusers and
-    transformers import make that up to 0.3 s per pass. Measured on the guides' command (2-core
-    EPYC, Python 3.11): the imports ran 6 full passes (0.43 s of the 0.53 s of collections
-    while importing), three more took 0.75 s while the models loaded (0.24 s with the objects
-    frozen), and the interpreter's exit took 1.6-1.7 s (0.5 s with them frozen).
+    Python's full collections walk every object it tracks, and torch, diffusers and transformers
+    make many: the passes while importing, loading and exiting cost a training command seconds
+    (measured: ``docs/performance.md``, the guides' command end to end).
 
     So a command module turns the collector off before its imports (``gc.disable()`` under
     ``if __name__ == "__main__"``, above them) and ends with ``exit_with(cli)``, which

@@ -1,25 +1,12 @@
 """The UNet's attention kernel in bf16: diffusers' classic processor where the score matrix is small.
 
-diffusers runs attention through PyTorch's ``scaled_dot_product_attention`` (``AttnProcessor2_0``),
-which on CPU is a flash kernel: it never holds the whole score matrix, and in bf16 it computes far
-below the GEMM peak (23-27 % on the EPYC, 7-10 % on a Xeon with AMX). The classic processor
-(``AttnProcessor``: ``baddbmm``, softmax, ``bmm``) holds the matrix and runs two plain bf16 GEMMs,
-which is faster where the matrix is small and slower where it is large. Forward and backward
-of one SD v1.5 attention layer at 256 px in bf16, on the 2-core EPYC (classic against flash):
-
-============================  =====  =======
-queries x keys                self   cross
-============================  =====  =======
-1024 x 1024 / 1024 x 77       1.23x  1.47x
-256 x 256 / 256 x 77          1.33x  1.42x
-64, 16 tokens                 1.00-1.15x
-2048 x 2048, 4096 x 4096      0.78x, 0.79x (512 px)
-============================  =====  =======
-
-So :class:`SizedAttnProcessor` takes the classic path up to :data:`MAX_CLASSIC_SCORES` scores per
-head and the flash kernel above (1.06x on the whole bf16 step, ``bench.optimisations --only
-attention_by_size``). In fp32 the flash kernel wins or ties everywhere (the classic one 0.59x at
-1024 x 1024), so fp32 keeps diffusers' default. The maths is the same; only the rounding differs.
+On CPU, diffusers' default (``AttnProcessor2_0``, PyTorch's SDPA) is a flash kernel that never
+holds the score matrix and in bf16 runs far below the GEMM peak; the classic ``AttnProcessor``
+(``baddbmm``, softmax, ``bmm``) holds the matrix and runs two plain bf16 GEMMs, faster while the
+matrix is small, slower once it outgrows the caches. So :class:`SizedAttnProcessor` takes the
+classic path up to :data:`MAX_CLASSIC_SCORES` scores per head and the flash kernel above; fp32
+keeps diffusers' default, which wins or ties there at every size. Same maths, other rounding.
+The measurements per layer and on the step: ``docs/performance.md`` (bf16 attention by size).
 """
 
 from __future__ import annotations

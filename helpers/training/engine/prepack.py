@@ -7,9 +7,8 @@ once. :func:`pack_conv` keeps both (the forward weight, and the transposed, flip
 computes the input gradient as a convolution) and runs both through ``mkldnn._convolution_pointwise``
 inside a small autograd function, so the gradient still reaches the placeholder rows.
 
-Measured on the SD v1.5 shape at 256 px (``bench.optimisations --only prepacked_convs``): the step
-1.14x faster in fp32 and 1.16x in bf16, for two more copies of the convolution weights (about
-2.2 GiB each in fp32 and 1.1 GiB each in bf16). One direction's copy alone buys 1.00-1.06x.
+What it buys and costs on the SD v1.5 shape (``bench.optimisations --only prepacked_convs``): the
+options table of ``docs/performance.md``; both directions' copies together buy most of it.
 
 Once a layer has both copies, its dense weight is freed (:func:`_release`): the copies then add one
 weight's worth, not two, and the first step has less new memory to fault in. ``state_dict()`` still
@@ -26,8 +25,7 @@ and back per convolution), and the results are the same bit for bit.
 The engine (and the DreamBooth-LoRA trainer, whose LoRA leaves the convolutions frozen) packs the
 UNet when ``prepack_convs`` is on (the default) and the copies fit in memory (:func:`pack_unet`);
 never together with IPEX, which lays out weights its own way. DreamBooth's class pictures are drawn
-with the forward's copy alone: on a Xeon with AMX a 256 px picture took 40.7 s instead of 53.8 s in
-fp32 (``bench.dreambooth --class_image``).
+with the forward's copy alone (``bench.dreambooth --class_image`` measures it).
 
 Frozen ``Linear`` layers get the same treatment (:func:`pack_linear`, the engine's ``prepack_linears``):
 PyTorch hands oneDNN (bf16) or MKL (fp32) the plain weight in every call, and the library lays
@@ -36,14 +34,12 @@ levels of the UNet at 256 px). The forward's copy is the weight laid out by
 ``mkldnn._reorder_linear_weight``, the input gradient's is its transpose laid out the same way;
 both run through ``mkldnn._linear_pointwise`` (fp32 and bf16 alike: MKL's packed format would add
 about 8 MB to every copy). The text encoder's linear layers are packed too; under autocast a
-packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype. Per call
-on a Xeon with AMX it is 1.1-2.2x faster in bf16 and up to 1.7x in fp32; the whole step's numbers
-are in the README (``bench.optimisations --only prepacked_linears,prepacked_text_encoder``).
+packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype. What the
+whole step gains: ``docs/performance.md``.
 
-The copies are made on first use, so the first step pays for them: 7-9 s for the SD v1.5 shape in
-fp32 on a 2-core EPYC VM (7 GiB of copies), paid back after about 8 steps (the same copies take
-about 2 s in memory a process already holds; on that VM new memory comes slowly, which explains
-part of the difference). The copies cannot be kept on disk for the next run: they are oneDNN
+The copies are made on first use, so the first step pays for them, and pays them back within about
+ten steps (``docs/performance.md``, the guides' command end to end).
+The copies cannot be kept on disk for the next run: they are oneDNN
 tensors, whose storage PyTorch cannot save (``torch.save`` raises).
 """
 
