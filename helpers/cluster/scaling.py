@@ -313,7 +313,7 @@ def curves(
 
 
 def figure(layouts: Sequence[tuple[Machine | str, int]] = FIGURE_LAYOUTS, max_nodes: int = 16):
-    """The README's and notebook 04's figure: predicted images/s against processes for 1..``max_nodes``
+    """docs/scaling.md's and notebook 04's figure: predicted images/s against processes for 1..``max_nodes``
     nodes, ours (solid) against the reference (dashed), one colour per machine, and the guide's
     published point."""
     from helpers.workshop import plots

@@ -230,8 +230,8 @@ def keep_freed_memory() -> Iterator[bool]:
     the convolution weights (up to 118 MB each). By default glibc serves blocks above 32 MiB
     with fresh ``mmap`` pages and trims the heap, so every step page-faults the same memory in
     again. Serving every block from the heap and never trimming it removes the faults, for a
-    little more resident memory (the measured speed-up and memory are in bench/results/, the
-    ``keep_freed_memory`` row of README_table.md). The same effect as preloading tcmalloc,
+    little more resident memory (the measured speed-up and memory: the ``keep_freed_memory`` row of
+    the options table in docs/performance.md). The same effect as preloading tcmalloc,
     without installing it.
     On exit the defaults come back and the heap is trimmed. Does nothing where glibc is absent.
 

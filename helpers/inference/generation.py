@@ -113,8 +113,8 @@ def generate(
 
     # An OpenVINO pipeline computes in OpenVINO's threads; PyTorch only runs the scheduler's small
     # element-wise ops between the UNet calls. On more threads, PyTorch's OpenMP workers spin-wait
-    # after each op on the cores OpenVINO computes on: on 2 cores the int8 UNet call took 0.61 s
-    # instead of 0.55 s. The ops are element-wise, so the images are the same on any thread count.
+    # after each op on the cores OpenVINO computes on (the cost: docs/performance.md, inference).
+    # The ops are element-wise, so the images are the same on any thread count.
     threads = 1 if is_openvino(pipe) else torch.get_num_threads()
 
     def run(steps: int) -> list:

@@ -51,14 +51,12 @@ FLOAT_LAYERS = (
   worth more than 0.3 dB. They are 1x1 convolutions, a few % of the work.
 * Layers with little work, where int8 buys little time and adds error: the first and last
   convolutions (4 latent channels in or out), the timestep MLPs (one vector per image), and the
-  cross-attention's key and value projections (77 text tokens). The largest, the projections,
-  take 0.019 s of a 0.55 s int8 UNet call in bf16 (OpenVINO's per-layer counters), about 0.01 s
-  more than int8 would.
+  cross-attention's key and value projections (77 text tokens): together a few % of a UNet call
+  by OpenVINO's per-layer counters (docs/performance.md, inference).
 
-On the SD v1.5 shape (256 px, 10 steps, against PyTorch fp32; bench/results has the released
-numbers) the int8 UNet's image went from 40.0 dB to 43.5 dB with the shortcuts in bf16 and 44.5 dB
-with all of these; with the VAE decoder in int8 as well 42.3 dB (bench.inference), where
-quantizing every layer of both gave 38.1 dB.
+Keeping these in bf16 is what lets the VAE decoder compute in int8 too and the image stay above
+40 dB against PyTorch fp32 (the scan, the variants and the released figures: docs/performance.md,
+inference; bench/results/inference-*.json).
 """
 
 
