@@ -71,7 +71,7 @@ def test_a_deep_copy_of_a_packed_convolution_computes_with_its_own_weight():
     torch.testing.assert_close(conv(x), _plain(conv, x), rtol=1e-5, atol=1e-5)
 
 
-def test_a_convolution_frees_its_dense_weight_once_both_copies_exist_and_state_dict_keeps_it():
+def test_a_convolution_frees_its_dense_weight_once_the_forward_copy_exists_and_state_dict_keeps_it():
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1)
@@ -81,12 +81,13 @@ def test_a_convolution_frees_its_dense_weight_once_both_copies_exist_and_state_d
     assert all(prepack.pack_conv(conv) for conv in net)
     x = torch.randn(1, 4, 8, 8, requires_grad=True)
     with torch.no_grad():
-        net(x)  # the forward's copies alone: the weights stay
-    assert [conv.weight.numel() for conv in net] == [8 * 4 * 9, 8 * 8 * 9]
-    y = net(x)
-    (got,) = torch.autograd.grad(y.square().sum(), x)
+        net(x)  # the forward's copies alone: the dense weight goes at once (never beside the copy)
     # the strided one computes its input gradient from the dense weight, which therefore stays
     assert [conv.weight.numel() for conv in net] == [0, 8 * 8 * 9]
+    assert set(prepack._copies(net[0])) == {"fwd"}
+    y = net(x)
+    (got,) = torch.autograd.grad(y.square().sum(), x)  # the input gradient's copy, made from the forward's
+    assert set(prepack._copies(net[0])) == {"fwd", "bwd"} and net[0].weight.numel() == 0
     state = net.state_dict()
     assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
     plain = torch.nn.Sequential(
@@ -97,9 +98,17 @@ def test_a_convolution_frees_its_dense_weight_once_both_copies_exist_and_state_d
     torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
-    twin = copy.deepcopy(net[0])  # the weight it copies is the empty one, and the copies stay behind
+    twin = copy.deepcopy(net)  # a plain-weighted twin that makes its own copies; the original stays freed
+    assert net[0].weight.numel() == 0 and torch.equal(twin[0].weight, saved["0.weight"])
+    assert not twin[0]._state_dict_hooks and twin[0] not in prepack._COPIES
+    (twin_got,) = torch.autograd.grad(twin(x).square().sum(), x)
+    assert torch.equal(twin_got, got) and twin[0].weight.numel() == 0  # its own copies, released too
+    assert torch.equal(twin.state_dict()["0.weight"], saved["0.weight"])
+    twin[0].weight.data = twin[0].weight.data.new_empty(0)  # lost without restore(): one clear error
+    prepack._RELEASED.pop(twin[0])
+    prepack._COPIES.pop(twin[0])
     with pytest.raises(RuntimeError, match=r"prepack\.restore\(module\) on the original"):
-        twin(x)
+        twin[0](x)
     # cast after the release: the copies for the new dtype are made from the weight given back
     net[0].double()
     prepack._copies(net[0])
@@ -247,7 +256,11 @@ def test_a_linear_layer_used_without_gradients_makes_only_the_forward_copy():
     with torch.no_grad():
         twin.weight.mul_(2)
         x = torch.randn(3, 8)
-        torch.testing.assert_close(twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias))
+        expected = torch.nn.functional.linear(x, twin.weight, twin.bias)
+        torch.testing.assert_close(twin(x), expected)
+    # both released their dense weights at their forward's copy; state_dict() rebuilds each
+    assert linear.weight.numel() == twin.weight.numel() == 0
+    assert torch.equal(twin.state_dict()["weight"], 2 * linear.state_dict()["weight"])
 
 
 @pytest.mark.skipif(

@@ -10,12 +10,16 @@ inside a small autograd function, so the gradient still reaches the placeholder 
 What it buys and costs on the SD v1.5 shape (``bench.optimisations --only prepacked_convs``): the
 options table of ``docs/performance.md``; both directions' copies together buy most of it.
 
-Once a layer has both copies, its dense weight is freed (:func:`_release`): the copies then add one
-weight's worth, not two, and the first step has less new memory to fault in. ``state_dict()`` still
-gives the dense weight (rebuilt from the forward's copy, bit for bit), :func:`restore`,
-:func:`unpack` and :func:`plain` give it back, and a layer cast to another dtype gets it back
-before new copies are made. The strided downsamplers keep theirs (their input gradient takes
-PyTorch's path), and so does a linear layer whose copies are in a narrower dtype than its weight.
+A layer's dense weight is freed as soon as its forward's copy exists (:func:`_release`), and the
+input gradient's copy is made from the forward's: the copies add one weight's worth, not two, and
+the dense weights never sit beside the forward's copies and the first forward's activations (that
+sum was the training peak: 12.1 GiB against the reference's 6.1 in fp32 at 256 px when the weight
+was freed only after the first backward). ``state_dict()`` still gives the dense weight (rebuilt
+from the forward's copy, bit for bit), :func:`restore`, :func:`unpack` and :func:`plain` give it
+back, a deep copy gets its own, and a layer cast to another dtype gets it back before new copies
+are made. The strided downsamplers keep theirs (their input gradient takes PyTorch's path), and so
+do a convolution packed for the forward only and a linear layer whose copies are in a narrower
+dtype than its weight.
 
 With a laid-out weight, oneDNN's op takes and returns channels-last activations (it copies any
 other input into that layout). So the packed UNet's activations, and the gradients flowing back
@@ -45,6 +49,7 @@ tensors, whose storage PyTorch cannot save (``torch.save`` raises).
 
 from __future__ import annotations
 
+import copy
 import types
 import weakref
 from collections.abc import Iterator
@@ -91,15 +96,40 @@ def _copies(module: torch.nn.Module, compute: torch.dtype | None = None) -> dict
 def _release(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Free ``module``'s dense weight: from now on it computes with the copies in ``state`` alone.
 
-    Called once the input gradient's copy exists beside the forward's. The weight becomes an empty
-    tensor of its dtype (a layer of the SD v1.5 UNet frees up to 59 MB in fp32); ``state_dict()``
-    still holds the dense values (rebuilt from the forward's copy, bit for bit), and
-    :func:`restore` gives the module its weight back.
+    Called once the forward's copy exists. The weight becomes an empty tensor of its dtype (a layer
+    of the SD v1.5 UNet frees up to 59 MB in fp32); ``state_dict()`` still holds the dense values
+    (rebuilt from the forward's copy, bit for bit), :func:`_dense` gives them to the input
+    gradient's copy, a deep copy gets them (:func:`_deepcopy_released`), and :func:`restore` gives
+    the module its weight back.
     """
-    if "fwd" not in state:
+    if "fwd" not in state or module in _RELEASED:
         return
     module.weight.data = module.weight.data.new_empty(0)
     _RELEASED[module] = (state["fwd"], module.register_state_dict_post_hook(_dense_in_state_dict))
+    module.__dict__["__deepcopy__"] = types.MethodType(_deepcopy_released, module)
+
+
+def _dense(module: torch.nn.Module) -> torch.Tensor:
+    """``module``'s dense weight, rebuilt from the forward's copy (bit for bit) if it was freed."""
+    if module in _RELEASED:
+        return _RELEASED[module][0].to_dense().to(module.weight.dtype)
+    return module.weight.detach()
+
+
+def _deepcopy_released(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    """A deep copy of a released layer: a plain-weighted twin that makes its own copies (the
+    oneDNN copies cannot be copied); the dense weight exists only for the copy's making."""
+    hook = _RELEASED[module][1]
+    del module.__dict__["__deepcopy__"]
+    empty = module.weight.data
+    module.weight.data = _dense(module)
+    try:
+        twin = copy.deepcopy(module, memo)
+    finally:
+        module.weight.data = empty
+        module.__dict__["__deepcopy__"] = types.MethodType(_deepcopy_released, module)
+    twin._state_dict_hooks.pop(hook.id, None)
+    return twin
 
 
 def _dense_in_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, _metadata) -> None:
@@ -113,12 +143,13 @@ def restore(module: torch.nn.Module) -> None:
     if module in _RELEASED:
         laid_out, hook = _RELEASED.pop(module)
         hook.remove()
+        module.__dict__.pop("__deepcopy__", None)
         module.weight.data = laid_out.to_dense().to(module.weight.dtype)
     elif module.weight.numel() == 0:
         raise RuntimeError(
             f"{type(module).__name__}: its dense weight was freed once its prepacked copies existed, and "
-            "this module has none (a deep copy?). Fix: call helpers.training.engine.prepack.restore(module) on the "
-            "original before copying it."
+            "this module has none (copied without its prepacked copies?). Fix: call "
+            "helpers.training.engine.prepack.restore(module) on the original before copying it."
         )
 
 
@@ -132,6 +163,8 @@ def _forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         state["fwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
             w, list(conv.padding), list(conv.stride), [1, 1], 1, list(x.shape)
         )
+        if conv._pack_backward and conv.stride == (1, 1):  # else PyTorch's input gradient needs it
+            _release(conv, state)
     return torch.ops.mkldnn._convolution_pointwise(
         x, state["fwd"], conv.bias, list(conv.padding), list(conv.stride), [1, 1], 1, "none", [], ""
     )
@@ -150,11 +183,10 @@ def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Si
     pad = [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
     if "bwd" not in state:
         # flip first: flipping the transposed view would keep its strides and need one more copy
-        flipped = conv.weight.detach().flip(2, 3).transpose(0, 1).contiguous().to_mkldnn()
+        flipped = _dense(conv).flip(2, 3).transpose(0, 1).contiguous().to_mkldnn()
         state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
             flipped, pad, [1, 1], [1, 1], 1, list(grad.shape)
         )
-        _release(conv, state)
     return torch.ops.mkldnn._convolution_pointwise(
         grad, state["bwd"], None, pad, [1, 1], [1, 1], 1, "none", [], ""
     )
@@ -198,6 +230,8 @@ def _linear_forward(linear: torch.nn.Linear, x: torch.Tensor, dtype: torch.dtype
     if "fwd" not in state:
         state["fwd"] = _lay_out_linear(linear.weight.detach().to(dtype), x)
         state["bias"] = None if linear.bias is None else linear.bias.detach().to(dtype)
+        if linear.weight.dtype == dtype:  # else the dense weight holds more than the copies
+            _release(linear, state)
     return _linear_pointwise(x, state["fwd"], state["bias"])
 
 
@@ -207,9 +241,7 @@ def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor, dtype: torch
     state = _copies(linear, dtype)
     if "bwd" not in state:
         # cast before transposing: casting the transposed view would keep its strides, one copy more
-        state["bwd"] = _lay_out_linear(linear.weight.detach().to(dtype).t().contiguous(), grad)
-        if linear.weight.dtype == dtype:  # else the dense weight holds more than the copies
-            _release(linear, state)
+        state["bwd"] = _lay_out_linear(_dense(linear).to(dtype).t().contiguous(), grad)
     return _linear_pointwise(grad, state["bwd"], None)
 
 
