@@ -267,6 +267,18 @@ def write_json(path: str | os.PathLike, value: Any) -> Path:
     return write_text_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
 
 
+def results_folder(machine: dict[str, Any]) -> Path:
+    """Where a result of ``machine`` goes: ``bench/results`` on the machine of its committed results
+    (the EPYC's), else ``bench/results/<vendor>-<isa>`` (``xeon-amx``, ``xeon-avx512``, ...)."""
+    home = json.loads((RESULTS / "train_step-sd15-shape-256px.json").read_text())["machine"]
+    if all(home[k] == machine[k] for k in ("cpu", "physical_cores", "isa", "ram_gib")):
+        return RESULTS
+    vendor = next((v for v in ("EPYC", "Xeon") if v in machine["cpu"]), "cpu").lower()
+    isa = machine["isa"]
+    levels = (("amx_bf16", "amx"), ("avx512_bf16", "avx512-bf16"), ("avx512f", "avx512"))
+    return RESULTS / f"{vendor}-{next((name for flag, name in levels if flag in isa), 'avx2')}"
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     import diffusers

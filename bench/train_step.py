@@ -13,6 +13,11 @@ processes, one per mode: ``ours`` runs the real ``helpers.training.textual_inver
 
     .venv-ipex/bin/python -m bench.train_step --ipex --model sd15-shape --mixed_precision bf16
 
+``--memory_only`` runs the peak-RSS child processes alone (ours, ours without prepacked layers,
+the reference) and writes ``train_memory-<model>-<px>px[-bf16].json``: peak RSS is valid on a
+loaded machine, wall-clock is not, so a loaded machine can still measure memory.
+:mod:`helpers.cluster.estimates` reads its peaks (``memory_per_process``).
+
 ``--ipex`` measures something else: the engine with and without Intel Extension for PyTorch, and
 in the workshop's own torch, in alternating fresh processes (``bench.optimisations``' ``ipex``).
 """
@@ -44,6 +49,8 @@ PHASES = (
     "communication",
 )
 ONEDNN_STEPS = 3  # steps per mode under oneDNN's verbose log; per-kind medians are reported
+# Peak-RSS child processes: ours_unpacked is the engine with --no-prepack_convs --no-prepack_linears.
+MEMORY_MODES = ("ours", "ours_unpacked", "reference")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's option, for both modes (bf16: autocast; fast only with native bf16)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS child processes")
+    parser.add_argument(
+        "--memory_only",
+        action="store_true",
+        help="only the peak-RSS child processes (ours, ours unpacked, reference): valid under load",
+    )
     parser.add_argument("--out", default=None, help="JSON results file (default bench/results/...)")
     parser.add_argument(
         "--ipex",
@@ -70,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead: the engine with and without Intel Extension for PyTorch, in alternating fresh "
         "processes (run it from .venv-ipex: make setup-ipex)",
     )
-    parser.add_argument("--child", choices=("ours", "reference"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=MEMORY_MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ipex and (problem := cpu.ipex_problem()):
         parser.error(f"--ipex: {problem}. Fix: {cpu.IPEX_FIX}")
@@ -86,6 +98,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     threads = cpu.set_threads(args.threads)
     if args.child:
         return _child(args)
+    if args.memory_only:
+        return _memory_only(args, threads)
     with common.scratch_dir() as work, ExitStack() as stack:
         setup = common.make_setup(args.model, args.resolution, args.batch, work, args.mixed_precision)
         ours, ref = common.OursStep(setup), common.ReferenceStep(setup)
@@ -219,6 +233,35 @@ def format_report(r: dict[str, Any]) -> str:
 # --- peak memory, one fresh process per mode --------------------------------------------------
 
 
+def _memory_only(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """Peak RSS of each of :data:`MEMORY_MODES` in its own fresh process, one after the other."""
+    modes = {name: _run_child(args, name, threads) for name in MEMORY_MODES}
+    report = {
+        "benchmark": "train_memory",
+        "model": args.model,
+        "resolution": args.resolution,
+        "batch": args.batch,
+        "steps": min(args.steps, 2),
+        "warmup": args.warmup,
+        "threads": threads,
+        "mixed_precision": args.mixed_precision,
+        "machine": common.machine(),
+        "modes": modes,
+        **common.rss_ratios(modes["ours"], modes["reference"]),
+        "note": "peak RSS only; child_seconds_per_step ran beside other work and is not a timing",
+    }
+    suffix = "-bf16" if args.mixed_precision == "bf16" else ""
+    name = f"train_memory-{args.model}-{args.resolution}px{suffix}.json"
+    out = Path(args.out or common.results_folder(report["machine"]) / name)
+    common.write_json(out, report)
+    width = 30
+    lines = [f"{'peak RSS (MiB)':{width}}{'process':>12}{'training':>12}"]
+    for mode, m in modes.items():
+        lines.append(f"{mode:{width}}{m['peak_rss_mib']:12.0f}{m['training_peak_rss_mib']:12.0f}")
+    print("\n".join([*lines, *common.rss_ratio_line(report), f"wrote {out}"]))
+    return report
+
+
 def _run_child(args: argparse.Namespace, mode: str, threads: int) -> dict[str, float]:
     cmd = [sys.executable, "-m", "bench.train_step", "--child", mode, "--model", args.model]
     cmd += ["--resolution", str(args.resolution), "--batch", str(args.batch), "--threads", str(threads)]
@@ -238,9 +281,18 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     """
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="bench-child-") as work:
-        if args.child == "ours":
+        if args.child in ("ours", "ours_unpacked"):
+            plain = (
+                {"prepack_convs": False, "prepack_linears": False} if args.child == "ours_unpacked" else {}
+            )
             out = common.run_engine(
-                args.model, args.resolution, args.batch, steps, work, mixed_precision=args.mixed_precision
+                args.model,
+                args.resolution,
+                args.batch,
+                steps,
+                work,
+                mixed_precision=args.mixed_precision,
+                **plain,
             )
         else:
             setup = common.make_setup(args.model, args.resolution, args.batch, work, args.mixed_precision)

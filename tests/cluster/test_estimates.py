@@ -97,3 +97,59 @@ def test_cluster_time_spreads_notebook_02s_images_over_every_process():
     assert estimates.cluster_time("Standard_D16s_v6", 1).basis.precision == "bf16"  # Emerald Rapids: AMX
     with pytest.raises(ValueError, match="not an Azure size name"):
         estimates.cluster_time("big-machine", 1)
+
+
+@pytest.mark.parametrize(
+    "row", estimates.MEASURED_MEMORY, ids=lambda r: f"{r.resolution}-{r.precision}-{r.prepack}"
+)
+def test_every_memory_row_is_its_benchmark_result(row):
+    result = json.loads((ROOT / row.source).read_text())
+    assert (result["model"], result["resolution"], result["mixed_precision"]) == (
+        "sd15-shape",
+        row.resolution,
+        row.precision,
+    )
+    mode = "ours" if row.prepack else "ours_unpacked"
+    assert round(result["modes"][mode]["peak_rss_mib"], 1) == row.peak_mib
+
+
+def test_memory_per_process_is_the_measured_peak_and_scales_only_what_is_not_weights(monkeypatch):
+    rows = (
+        estimates.PeakMemory(256, "no", True, 10240.0, "a.json"),
+        estimates.PeakMemory(256, "bf16", False, 4096.0, "b.json"),
+    )
+    monkeypatch.setattr(estimates, "MEASURED_MEMORY", rows)
+    monkeypatch.setattr(
+        estimates,
+        "RESIDENT_WEIGHTS_GIB",
+        {("no", True): 6.0, ("no", False): 3.0, ("bf16", True): 3.5, ("bf16", False): 2.0},
+    )
+    gib = 2**30
+    assert estimates.memory_per_process(256, "no") == 10 * gib
+    assert estimates.memory_per_process(512, "no") == 6 * gib + 4 * 4 * gib  # 4 GiB above the weights, x4
+    assert estimates.memory_per_process(256, "no", prepack=False) == 7 * gib  # less 3 GiB of copies
+    assert estimates.memory_per_process(512, "bf16", prepack=False) == 2 * gib + 4 * 2 * gib
+    assert estimates.memory_per_process(256, "bf16", prepack=True) == int(5.5 * gib)
+    assert estimates.memory_basis(512, "no", prepack=False) == (
+        "10.0 GiB measured at 256 px (a.json); less the prepacked copies (not measured unpacked); "
+        "the part above the weights scaled by the pixels (x4)"
+    )
+    with pytest.raises(ValueError, match="precision='fp16': no memory measured"):
+        estimates.memory_per_process(256, "fp16")
+
+
+def test_processes_that_fit_a_node_from_its_documented_memory(monkeypatch):
+    gib = 2**30
+    assert estimates.node_memory_bytes("Standard_D8_v5") == 32 * gib  # D: 4 GiB per vCPU
+    assert estimates.node_memory_bytes("Standard_E16s_v5") == 128 * gib  # E: 8 GiB per vCPU
+    assert estimates.node_memory_bytes("Standard_D4s_v6") == 16 * gib
+    with pytest.raises(ValueError, match="'Standard_F8s_v2': not a size of Dv5/Dsv5"):
+        estimates.node_memory_bytes("Standard_F8s_v2")
+    need = {("no", True): 10 * gib, ("no", False): 7 * gib}
+    monkeypatch.setattr(
+        estimates, "memory_per_process", lambda res, precision, prepack=True: need[(precision, prepack)]
+    )
+    # 32 GiB less the 2 GiB kept for the OS: 30 GiB
+    assert estimates.processes_that_fit("Standard_D8_v5", 512, "no") == 3
+    assert estimates.processes_that_fit("Standard_D8_v5", 512, "no", prepack=False) == 4
+    assert estimates.processes_that_fit("Standard_D2s_v6", 512, "no") == 0  # 8 GiB: not even one
