@@ -11,6 +11,7 @@ import torch
 from tiny_parts import tiny_config
 
 from helpers.core import cpu
+from helpers.core.errors import InputError
 from helpers.training import models
 from helpers.training import textual_inversion as ti
 from helpers.training.engine import prepack
@@ -392,3 +393,24 @@ def test_a_run_prepacks_by_default_records_it_and_can_turn_it_off(tmp_path):
     assert "prepacked_convs" not in plain.summary["startup"]
     # the first step's loss is computed before any update: the two runs agree on it
     assert packed.history[0]["loss"] == pytest.approx(plain.history[0]["loss"], rel=1e-5)
+
+
+def test_prepacking_asked_for_where_memory_is_short_is_one_line_with_the_need_and_what_is_free(monkeypatch):
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Linear(8, 8)).requires_grad_(
+        False
+    )
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    convs = prepack.copy_bytes(net)
+    gib = 2**30
+    # the convolutions fit (0.5 of 2 GiB over 2 processes: 0.5 GiB), the linear layers beside them do not
+    monkeypatch.setattr(prepack, "linear_copy_bytes", lambda *args: gib)
+    with pytest.raises(InputError) as err:
+        prepack.pack_unet(net, available_bytes=2 * gib, linears=True, required=True)
+    assert str(err.value) == (
+        "--prepack_linears: the linear copies need 1.0 GiB and this process's share of free memory is "
+        f"{(0.5 * gib - convs) / gib:.1f} GiB (0.5 of 2.0 GiB free over 2 processes). Fix: free memory or "
+        "run fewer processes per node, or pass --no-prepack_linears"
+    )
+    assert "\n" not in str(err.value) and not any("forward" in m.__dict__ for m in net)  # nothing packed
+    fits = prepack.pack_unet(net, available_bytes=6 * gib, linears=True, required=True)
+    assert (fits.convolutions, fits.linears, fits.reason) == (1, 1, None)

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from helpers.core import cpu
+from helpers.core.errors import InputError
 
 # The copies may take at most this fraction of this process's share of the node's free memory.
 MEMORY_SHARE = 0.5
@@ -397,6 +398,7 @@ def pack_unet(
     convs: bool = True,
     linears: bool = False,
     text_encoder: torch.nn.Module | None = None,
+    required: bool = False,
 ) -> PackResult:
     """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``, with
     those of ``text_encoder`` if given) where the copies fit.
@@ -407,6 +409,8 @@ def pack_unet(
     only if their copies fit beside them. The text encoder computes in the UNet's dtype (an fp32
     text encoder under bf16 autocast beside a bf16 UNet), so its copies are made in it.
     ``backward=False`` (a UNet that only generates) keeps the forward's copies only, half the memory.
+    ``required=True`` (the flag asked for explicitly) makes a kind that does not fit an
+    :class:`~helpers.core.errors.InputError` naming the need and the free memory, before any packing.
     """
     if problem := unavailable():
         return PackResult(0, 0, problem)
@@ -424,6 +428,16 @@ def pack_unet(
         dtype = next(unet.parameters()).dtype
         need = sum(linear_copy_bytes(model, backward, dtype) for model in models)
         kinds.append(("linear", "linears", need, models, pack_linear))
+    before = 0
+    for kind, flag, need, _, _ in kinds if required else ():
+        if before + need > share:
+            raise InputError(
+                f"--prepack_{flag}: the {kind} copies need {need / 2**30:.1f} GiB and this process's share of "
+                f"free memory is {(share - before) / 2**30:.1f} GiB ({MEMORY_SHARE:g} of "
+                f"{available_bytes / 2**30:.1f} GiB free over {cpu.local_processes()} processes). Fix: free "
+                f"memory or run fewer processes per node, or pass --no-prepack_{flag}"
+            )
+        before += need
     counts, used, skipped = {}, 0, []
     for kind, flag, need, models, pack in kinds:
         if used + need > share:
