@@ -21,8 +21,8 @@ $(VENV)/.setup-done: requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m helpers.core.environment
-	@# The ccl backend for torch.distributed (helpers.launching.oneccl, about a minute, once); if it cannot be built, gloo is used and its tests skip saying why.
-	$(PY) -m helpers.launching.oneccl build || echo "note: the ccl backend was not built (the line above says why); the rest works with gloo"
+	@# The ccl backend for torch.distributed (helpers.ranks.oneccl, about a minute, once); if it cannot be built, gloo is used and its tests skip saying why.
+	$(PY) -m helpers.ranks.oneccl build || echo "note: the ccl backend was not built (the line above says why); the rest works with gloo"
 	touch $@
 
 # The optional second environment for Intel Extension for PyTorch: torch 2.8 (a CUDA build on the

@@ -15,7 +15,7 @@ the result inside the step (it includes waiting for the slower rank).
 our step only, in alternating fresh launches.
 
 ``--backends gloo ccl`` measures instead the latency of one all-reduce per backend, gloo against
-the ``ccl`` backend of :mod:`helpers.launching.oneccl`, both in the same 2 processes (1 thread
+the ``ccl`` backend of :mod:`helpers.ranks.oneccl`, both in the same 2 processes (1 thread
 each, oneCCL's variables from ``oneccl.environment``), sizes interleaved and each round
 alternating the order: 3 KB (textual inversion's vector), 3.2 MB (the DreamBooth LoRA), 4 MB and
 64 MB of fp32::
@@ -303,7 +303,7 @@ LATENCY_TIMEOUT = 600.0  # seconds: the whole launch, and each process group's t
 
 def latency(args: argparse.Namespace) -> dict[str, Any]:
     """All-reduce latency per backend between 2 processes on this machine; writes the JSON."""
-    from helpers.launching import oneccl
+    from helpers.ranks import oneccl
 
     backends = list(dict.fromkeys(args.backends))
     cores = cpu.physical_cores()
@@ -425,7 +425,7 @@ def _latency_worker(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     provider = None
     if "ccl" in spec["backends"]:
-        from helpers.launching import oneccl
+        from helpers.ranks import oneccl
 
         provider = oneccl.load()
     timeout = datetime.timedelta(seconds=LATENCY_TIMEOUT)

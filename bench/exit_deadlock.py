@@ -3,7 +3,7 @@
     python -m bench.exit_deadlock --runs 10 --timeout 60 [--launcher mpirun] [--checkout DIR]
 
 Each run is ``python -m helpers.launch --nproc_per_node 2`` on the tiny model with
-``WORKSHOP_TEST_EXIT_DELAY`` set (see :mod:`helpers.launching.faults`); a run still going after
+``WORKSHOP_TEST_EXIT_DELAY`` set (see :mod:`helpers.ranks.faults`); a run still going after
 ``--timeout`` seconds is a hang and is killed with its whole process tree; so is one whose
 rank helpers.launch had to stop ("did not end within" in its last lines). ``--checkout`` runs
 another checkout's code (e.g. a ``git worktree`` of an older commit) with this machine's
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import jobs
-from helpers.launching import faults
+from helpers.ranks import faults
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

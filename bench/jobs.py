@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from helpers.core import outputs
+from helpers.ranks import status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,6 +108,5 @@ def run_job(
 
 
 def _lock_held(path: Path) -> bool:
-    from helpers.launching import supervise
 
-    return supervise._lock_held(path)
+    return status.lock_held(path)

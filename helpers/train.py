@@ -16,7 +16,7 @@ if __name__ == "__main__":
 import logging
 
 from helpers.core.errors import exit_with, run_cli
-from helpers.launching import faults, supervise
+from helpers.ranks import faults, status
 from helpers.training.config import TrainConfig, parse_args
 from helpers.training.models import HubUnavailableError
 from helpers.training.textual_inversion import TrainResult, train
@@ -28,7 +28,7 @@ def main(args: TrainConfig) -> TrainResult:
     """Train with validated settings and return what the run produced."""
     result = train(args)
     logging.getLogger(__name__).info("learned embeddings: %s", result.learned_embeds_path)
-    faults.hang_after_training(supervise.rank_from_env() or 0)  # test-only
+    faults.hang_after_training(status.rank_from_env() or 0)  # test-only
     return result
 
 
@@ -36,7 +36,7 @@ def cli(argv: list[str] | None = None) -> int:
     """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.core.errors.run_cli`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per checkpoint file otherwise
-    supervise.start()  # under helpers.launch: this rank's lock and status, until the process is gone
+    status.start()  # under helpers.launch: this rank's lock and status, until the process is gone
     return run_cli(main, parse_args, argv, also=(HubUnavailableError,))
 
 

@@ -250,11 +250,11 @@ def _tree(tmp: Path) -> dict[str, tuple[int, int, int]]:
 def _deny(monkeypatch, path: Path, what: str) -> None:
     """Refuse to read the file ``path`` or to write into the folder ``path``, as the OS refuses another user."""
     if what == "write":
-        from helpers.training import config
+        from helpers.training import schema
 
         real_access = os.access
         monkeypatch.setattr(
-            config.os, "access", lambda p, mode: False if Path(p) == path else real_access(p, mode)
+            schema.os, "access", lambda p, mode: False if Path(p) == path else real_access(p, mode)
         )
         return
     real_read_text, real_image_open = Path.read_text, Image.open

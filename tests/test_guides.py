@@ -24,7 +24,8 @@ import pytest
 
 from helpers.core import cpu
 from helpers.core.outputs import SUMMARY
-from helpers.launching import distributed
+from helpers.launching import accelerate_config
+from helpers.launching.layout import ClusterLayout
 from helpers.training import data, models
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,8 +114,8 @@ def test_accelerate_launch_line_of_the_guide(tmp_path):
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
 def test_mpirun_accelerate_launch_line_of_the_guide(tmp_path):
     """The guides run `accelerate config` on every node first; here notebook 03's code writes it."""
-    layout = distributed.ClusterLayout.local(nproc_per_node=2, main_process_port=0)
-    (config,) = distributed.write_accelerate_configs(layout, tmp_path / "configs", "auto")
+    layout = ClusterLayout.local(nproc_per_node=2, main_process_port=0)
+    (config,) = accelerate_config.write_accelerate_configs(layout, tmp_path / "configs", "auto")
     (tmp_path / "hf" / "accelerate").mkdir(parents=True)
     shutil.copy(config, tmp_path / "hf" / "accelerate" / "default_config.yaml")
     (tmp_path / "nodefile").write_text("localhost\n")

@@ -22,6 +22,10 @@ class InputError(ValueError):
     """Bad input a person can fix: one line naming the input and the fix; a command line exits 2."""
 
 
+class DistributedError(ValueError):
+    """A layout, hostfile, backend or launch setting is invalid; the message names it and the fix."""
+
+
 INPUT_ERRORS: tuple[type[BaseException], ...] = (
     InputError,
     FileNotFoundError,

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from helpers.core.errors import InputError
 from helpers.core.files import save_image_atomic, write_text_atomic
-from helpers.launching import supervise
+from helpers.ranks import status
 from helpers.training.data import validate_image_folder
 from helpers.training.engine import prepack
 
@@ -153,7 +153,7 @@ def ensure_class_images(
     draw_class_images(config, pipe, mine, lambda n: progress.update(
         min(n * accelerator.num_processes, progress.total - progress.n)))  # fmt: skip
     progress.close()
-    supervise.beat(supervise.WAITING)
+    status.beat(status.WAITING)
     accelerator.wait_for_everyone()
     return ClassImages(folder, existing, len(todo), time.perf_counter() - start)
 
@@ -221,5 +221,5 @@ def class_pipeline(
 def beat_each_step(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
     """A pipeline callback: each denoising step counts as progress for helpers.launch (one class
     picture at 512 px can outlast its stall limit)."""
-    supervise.beat("class images", step)
+    status.beat("class images", step)
     return callback_kwargs

@@ -11,7 +11,7 @@ import logging
 
 from helpers.core.errors import run_cli
 from helpers.dreambooth.config import DreamBoothConfig, parse_args
-from helpers.launching import supervise
+from helpers.ranks import status
 from helpers.training.models import HubUnavailableError
 
 __all__ = ["cli", "main", "parse_args"]
@@ -30,5 +30,5 @@ def cli(argv: list[str] | None = None) -> int:
     """Parse, train, and turn input problems into one clear line and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per checkpoint file otherwise
-    supervise.start()  # under helpers.launch: this rank's lock and status, until the process is gone
+    status.start()  # under helpers.launch: this rank's lock and status, until the process is gone
     return run_cli(main, parse_args, argv, also=(HubUnavailableError,))

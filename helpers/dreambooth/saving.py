@@ -4,24 +4,36 @@
 ``dreambooth_config.yaml`` (first), ``checkpoints/checkpoint-N/`` (accelerate's state and the LoRA
 file), ``samples/``, ``history.json``, ``pytorch_lora_weights.safetensors``, optionally ``pipeline/``
 (the LoRA fused in), and ``run_summary.json`` last: its presence means the run is complete.
+
+The folder states, checkpoints (rotation, resume, settings check), strict JSON and the folder's
+lock are the textual-inversion engine's (:mod:`helpers.training.engine.folder`,
+:mod:`~helpers.training.engine.checkpoints`, :mod:`~helpers.training.engine.saving`), given
+:data:`DREAMBOOTH`, this trainer's :class:`~helpers.training.engine.folder.RunLayout`.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.logging import get_logger
 
-from helpers.core.files import move_dir_into_place, replace_dir_atomic, save_image_atomic, write_text_atomic
+from helpers.core.files import replace_dir_atomic, save_image_atomic
 from helpers.core.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, PIPELINE_DIR, SAMPLES, SUMMARY
 from helpers.dreambooth import class_images
-from helpers.dreambooth.lora import LORA_WEIGHTS, copy_lora_weights, read_lora_file, save_lora_weights
-from helpers.launching import supervise
-from helpers.training.engine.checkpoints import load_state, resolve_checkpoint
+from helpers.dreambooth.lora import (
+    LORA_WEIGHTS,
+    copy_lora_weights,
+    read_lora_file,
+    save_fused_pipeline,
+    save_lora_weights,
+)
+from helpers.ranks import status
+from helpers.training.engine import checkpoints
+from helpers.training.engine.folder import RunLayout, clear_leftovers, clear_run
+from helpers.training.engine.saving import storage_errors, write_json
 
 if TYPE_CHECKING:
     from helpers.dreambooth.training import Run
@@ -29,6 +41,16 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 CONFIG_FILE = "dreambooth_config.yaml"
+
+DREAMBOOTH = RunLayout(
+    config_file=CONFIG_FILE,
+    weights_file=LORA_WEIGHTS,
+    files=(CONFIG_FILE, HISTORY, HISTORY_PARTIAL, LORA_WEIGHTS, SUMMARY),
+    dirs=(CHECKPOINTS, SAMPLES, PIPELINE_DIR),
+    # the LoRA's shape (rank, which models) and what it started from: another value cannot resume
+    identity=("seed", "pretrained_model_name_or_path", "rank", "train_text_encoder"),
+)
+"""What a DreamBooth-LoRA run writes into ``output_dir``, for the engine's folder and checkpoint functions."""
 
 
 def lora_path(run: Run) -> Path:
@@ -42,82 +64,66 @@ def pipeline_path(run: Run) -> Path | None:
 # --- start ---------------------------------------------------------------------------------------
 
 
-def resume(run: Run) -> tuple[int, list[dict]]:
-    """Load a checkpoint if asked: the LoRA matrices, then accelerate's state (optimizer, schedule, RNG).
+def resume(run: Run, ckpt: Path | None) -> int:
+    """Load the checkpoint (if any): the LoRA matrices, then accelerate's state (optimizer, schedule, RNG).
 
     Returns:
-        The step to continue from (0 for a fresh run) and the history up to it.
+        The step training continues after (0: a fresh run).
+
+    Raises:
+        TrainingInputError: the checkpoint was saved past ``max_steps`` (which may come from
+            ``num_train_epochs``), or a file in it cannot be loaded.
     """
-    if not run.config.resume_from_checkpoint:
-        return 0, []
-    ckpt = resolve_checkpoint(run.output_dir, run.config.resume_from_checkpoint)
+    if ckpt is None:
+        return 0
+    checkpoints.check_not_past_the_end(ckpt, run.max_steps)
     state, _ = read_lora_file(ckpt / LORA_WEIGHTS)
     copy_lora_weights(state, run.unet, run.trained_text_encoder)
-    load_state(run.accelerator, ckpt)
-    step = int(ckpt.name.split("-")[1])
+    checkpoints.load_state(run.accelerator, ckpt)
+    step = checkpoints.checkpoint_step(ckpt)
     logger.info(f"resumed from {ckpt} at step {step}", main_process_only=True)
-    return step, _load_history(run.output_dir, step)
+    return step
 
 
-def _load_history(output_dir: Path, upto_step: int) -> list[dict]:
-    source = output_dir / HISTORY_PARTIAL
-    source = source if source.exists() else output_dir / HISTORY
-    if not source.exists():
-        return []
-    return [h for h in json.loads(source.read_text()) if h["step"] <= upto_step]
+def prepare_output_dir(run: Run, start: int) -> list[dict]:
+    """Make ``output_dir`` ready, as the textual-inversion engine does; return the history of steps 1..``start``.
 
-
-def prepare_output_dir(run: Run) -> None:
-    """Create ``output_dir`` (clearing an earlier run's files with ``overwrite_output_dir``), write the settings."""
+    The main process removes what the settings replace (``overwrite_output_dir``: every file of an
+    earlier run; always: temporaries of killed writes, and the summary of a run resumed after it
+    finished, which is not finished again until its outputs are), then writes the settings.
+    """
+    config, output_dir = run.config, run.output_dir
     if run.accelerator.is_main_process:
-        if run.config.overwrite_output_dir and not run.config.resume_from_checkpoint:
-            clear_previous_run(run.output_dir)
-        run.output_dir.mkdir(parents=True, exist_ok=True)
-        run.config.to_yaml(run.output_dir / CONFIG_FILE)
+        if config.overwrite_output_dir and not config.resume_from_checkpoint:
+            clear_run(output_dir, DREAMBOOTH)
+        else:
+            clear_leftovers(output_dir, DREAMBOOTH)
+        (output_dir / SUMMARY).unlink(missing_ok=True)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        config.to_yaml(output_dir / CONFIG_FILE)
     run.accelerator.wait_for_everyone()
-
-
-def clear_previous_run(output_dir: Path) -> None:
-    """Remove what an earlier run wrote (only this trainer's own files, nothing else in the folder)."""
-    for name in (CHECKPOINTS, SAMPLES, PIPELINE_DIR):
-        shutil.rmtree(output_dir / name, ignore_errors=True)
-    for name in (LORA_WEIGHTS, HISTORY, HISTORY_PARTIAL, SUMMARY, CONFIG_FILE):
-        (output_dir / name).unlink(missing_ok=True)
+    return checkpoints.load_history(output_dir, start) if start else []
 
 
 # --- during --------------------------------------------------------------------------------------
 
 
-def checkpoints(output_dir: Path) -> list[Path]:
-    """The run's checkpoint folders, oldest first."""
-    found = [p for p in (output_dir / CHECKPOINTS).glob("checkpoint-*") if p.name.split("-", 1)[1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
 def save_checkpoint(run: Run, step: int, history: list[dict]) -> Path:
-    """Save a resumable checkpoint: accelerate's state (optimizer, schedule, RNG) and the LoRA file.
-
-    Every process writes its part into one hidden folder, which the main process then moves into
-    place as ``checkpoints/checkpoint-N``, after pruning the oldest beyond ``checkpoints_total_limit``.
+    """Save a resumable checkpoint ``checkpoints/checkpoint-N``: accelerate's state (optimizer,
+    schedule, RNG), the LoRA file and the settings, complete before older ones beyond
+    ``checkpoints_total_limit`` are removed (:func:`helpers.training.engine.checkpoints.save_checkpoint`).
     """
-    accelerator, config = run.accelerator, run.config
-    final = run.output_dir / CHECKPOINTS / f"checkpoint-{step}"
-    tmp = final.with_name(f".{final.name}.tmp")
-    supervise.beat("saving" if accelerator.is_main_process else supervise.WAITING, step)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
-        if config.checkpoints_total_limit:
-            existing = checkpoints(run.output_dir)
-            for old in existing[: max(0, len(existing) - config.checkpoints_total_limit + 1)]:
-                shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
-        save_lora_weights(tmp, run.unet, run.trained_text_encoder)
-        write_text_atomic(run.output_dir / HISTORY_PARTIAL, json.dumps(history, indent=2))
-        move_dir_into_place(tmp, final)
-    accelerator.wait_for_everyone()
-    return final
+    main = run.accelerator.is_main_process
+    status.beat("saving" if main else status.WAITING, step)
+    return checkpoints.save_checkpoint(
+        run.accelerator,
+        run.config,
+        run.output_dir,
+        step,
+        history,
+        lambda folder: save_lora_weights(folder, run.unet, run.trained_text_encoder),
+        config_file=CONFIG_FILE,
+    )
 
 
 def validate_on_main(run: Run, dest: Path, step: int) -> None:
@@ -125,7 +131,7 @@ def validate_on_main(run: Run, dest: Path, step: int) -> None:
     if run.accelerator.is_main_process:
         validate(run, dest)
     else:
-        supervise.beat(supervise.WAITING, step)  # rank 0 samples meanwhile
+        status.beat(status.WAITING, step)  # rank 0 samples meanwhile
     run.accelerator.wait_for_everyone()
 
 
@@ -171,25 +177,26 @@ def write_outputs(run: Run, global_step: int, history: list[dict]) -> dict[str, 
     Returns:
         The summary (empty on the other processes).
     """
-    import time
-
     accelerator, config = run.accelerator, run.config
     flat = torch.cat([p.detach().reshape(-1) for p in run.params])
     gathered = accelerator.gather(flat[None])
     identical = bool(all(torch.equal(gathered[0], g) for g in gathered))
     del gathered  # a collective's output: gloo's thread must not be the one to free it at teardown
-    supervise.beat("saving" if accelerator.is_main_process else supervise.WAITING, global_step)
+    status.beat("saving" if accelerator.is_main_process else status.WAITING, global_step)
     if not accelerator.is_main_process:
         return {}
-    save_lora_weights(run.output_dir, run.unet, run.trained_text_encoder)
-    write_text_atomic(run.output_dir / HISTORY, json.dumps(history, indent=2))
+    with storage_errors(lora_path(run), "the LoRA weights"):
+        save_lora_weights(run.output_dir, run.unet, run.trained_text_encoder)
+        write_json(run.output_dir / HISTORY, history)
     (run.output_dir / HISTORY_PARTIAL).unlink(missing_ok=True)  # history.json holds it all now
+    kept = checkpoints.list_checkpoints(run.output_dir)
+    if kept:  # a run resumed at its end saved none, yet the limit holds when it finishes
+        checkpoints.prune_checkpoints(run.output_dir, keep=kept[-1], limit=config.checkpoints_total_limit)
     if config.validation_prompt and config.num_validation_images:
         validate(run, run.output_dir / SAMPLES / "final")
     if config.save_as_full_pipeline:
-        from helpers.dreambooth.lora import save_fused_pipeline
-
-        save_fused_pipeline(run.model_dir, lora_path(run), pipeline_path(run))
+        with storage_errors(pipeline_path(run), "the fused pipeline"):
+            save_fused_pipeline(run.model_dir, lora_path(run), pipeline_path(run))
     timed = [h["seconds"] for h in history[1:]] or [h["seconds"] for h in history]  # step 1 includes warm-up
     seconds_per_step = sum(timed) / max(len(timed), 1)
     pictures = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
@@ -220,5 +227,5 @@ def write_outputs(run: Run, global_step: int, history: list[dict]) -> dict[str, 
         "lora_identical_across_ranks": identical,
         "threads_per_process": torch.get_num_threads(),
     }  # fmt: skip
-    write_text_atomic(run.output_dir / SUMMARY, json.dumps(summary, indent=2))  # last: marks a finished run
+    write_json(run.output_dir / SUMMARY, summary)  # last: marks a finished run
     return summary

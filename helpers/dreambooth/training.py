@@ -6,20 +6,21 @@ class prompt, in one UNet call (subject first, class second); the loss is the su
 plus ``prior_loss_weight`` times the class half's. What differs, for CPUs:
 
 * The VAE encodes every picture once before training; a step samples its latent from the cached
-  mean and std (:func:`helpers.training.textual_inversion.cache_latents`), and the VAE is freed.
+  mean and std (:func:`helpers.training.engine.step.cache_latents`), and the VAE is freed.
 * With a frozen text encoder the two prompts are encoded once, before training.
 * LoRA trains the attention's linear layers, so the UNet's convolutions stay frozen and run with
   weights laid out for oneDNN once (:mod:`helpers.training.engine.prepack`, ``--no-prepack_convs`` to turn
   it off), as in the textual-inversion engine.
 * Every random draw of a sample (latent, noise, timestep) comes from a generator keyed by
   (seed, epoch, sample): the subject's by its item ``i``, the class picture's by ``items + i``
-  (:func:`helpers.training.textual_inversion.draw_batch`); the shuffle is keyed by (seed, epoch). So a
+  (:func:`helpers.training.engine.step.draw_batch`); the shuffle is keyed by (seed, epoch). So a
   resumed run equals an uninterrupted one, and 2 processes x batch 1 equal 1 process x batch 2.
 * Only the LoRA matrices are parameters. They are not wrapped in DDP: after each synchronising
   backward their gradients go into one flat buffer, averaged over the processes by one
   all-reduce (3.2 MB for SD v1.5 at rank 4, instead of the UNet's 3.4 GB), then clipped.
 * Outputs are written by the main process only, each atomically; ``run_summary.json`` last
-  (:mod:`helpers.dreambooth.saving`).
+  (:mod:`helpers.dreambooth.saving`). The output folder's states, its lock, the checkpoints, the
+  resume checks and the divergence stop are those of the textual-inversion engine.
 
 ``train(config)`` = :func:`check_inputs` -> :func:`setup_run` -> :func:`~helpers.dreambooth.saving.resume`
 -> :func:`train_loop` (one :func:`training_step` per micro-batch) -> :func:`~helpers.dreambooth.saving.write_outputs`.
@@ -41,17 +42,18 @@ from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
 from helpers.core import cpu
-from helpers.core.errors import InputError
-from helpers.core.outputs import SAMPLES, SUMMARY
+from helpers.core.outputs import SAMPLES
 from helpers.dreambooth import class_images, saving
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import DreamBoothPairs, ImageViews
 from helpers.dreambooth.lora import add_lora
-from helpers.launching import supervise
+from helpers.ranks import status
 from helpers.training import data, models
-from helpers.training.engine import prepack
+from helpers.training.engine import TrainingDivergedError, prepack
+from helpers.training.engine.checkpoints import check_not_past_the_end, resolve_checkpoint
+from helpers.training.engine.folder import check_checkpoint_matches, check_output_dir, hold_output_dir
 from helpers.training.engine.setup import make_accelerator
-from helpers.training.textual_inversion import EpochSampler, cache_latents, draw_batch, resolve_checkpoint
+from helpers.training.engine.step import EpochSampler, cache_latents, draw_batch
 
 logger = get_logger(__name__)
 
@@ -120,32 +122,32 @@ def dreambooth_loss(
 # --- inputs ----------------------------------------------------------------------------------------
 
 
-def check_inputs(config: DreamBoothConfig) -> list[Path]:
+def check_inputs(config: DreamBoothConfig) -> Path | None:
     """Every cheap check of a run, before any model loads and before anything is written.
 
+    The output folder as the textual-inversion engine checks it
+    (:func:`helpers.training.engine.folder.check_output_dir`: not in use, no finished or interrupted
+    run these settings would clobber), the pictures, and the checkpoint to resume (complete, of
+    the same run, not past the last step).
+
     Returns:
-        The subject pictures.
+        The checkpoint to resume, if any.
 
     Raises:
-        InputError: a missing or unusable folder, a finished run in ``output_dir``, no checkpoint.
+        InputError: a missing or unusable folder, a folder in use or holding another run, no checkpoint.
     """
-    images = data.validate_image_folder(config.instance_data_dir, min_size=config.resolution)
+    folder = check_output_dir(config, saving.DREAMBOOTH)
+    data.validate_image_folder(config.instance_data_dir, min_size=config.resolution)
     if config.with_prior_preservation:
         class_images.check_folder(config)
         class_images.image_files(config.class_data_dir, min_size=config.resolution)  # corrupt files, now
-    output_dir = Path(config.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise InputError(
-            f"output_dir {str(output_dir)!r} is a file. Fix: pass a folder (it is created if missing)."
-        )
-    if (output_dir / SUMMARY).exists() and not (config.overwrite_output_dir or config.resume_from_checkpoint):
-        raise InputError(
-            f"output_dir {output_dir} already holds a finished run ({SUMMARY}). "
-            f"Fix: choose another output_dir, or pass --overwrite_output_dir to replace it."
-        )
-    if config.resume_from_checkpoint:
-        resolve_checkpoint(output_dir, config.resume_from_checkpoint)  # an InputError without one
-    return images
+    if not config.resume_from_checkpoint:
+        return None
+    ckpt = resolve_checkpoint(folder.path, config.resume_from_checkpoint)
+    check_checkpoint_matches(ckpt, config, saving.DREAMBOOTH)
+    if config.max_train_steps is not None:
+        check_not_past_the_end(ckpt, config.max_train_steps)
+    return ckpt
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -204,6 +206,7 @@ class Run:
     class_images: class_images.ClassImages | None = None
     started: float = field(default_factory=time.perf_counter)
     prepacked_convs: dict | None = None  # what prepack.pack_unet did, when prepack_convs is on
+    step: int = 0  # the optimisation step being taken (1 for the first)
 
     @property
     def prior(self) -> bool:
@@ -243,9 +246,9 @@ def setup_run(config: DreamBoothConfig) -> Run:
             config, model_dir, accelerator, _generation_dtype(config, dtype)
         )
 
-    supervise.beat("loading")  # each phase of a start counts as progress for helpers.launch
+    status.beat("loading")  # each phase of a start counts as progress for helpers.launch
     parts = models.load_components(model_dir, unet_dtype=dtype)  # the text encoder is always fp32
-    supervise.beat("loaded")
+    status.beat("loaded")
     unet, text_encoder, vae = parts.unet, parts.text_encoder, parts.vae
     for module in (vae, unet, text_encoder):
         module.requires_grad_(False)
@@ -267,7 +270,7 @@ def setup_run(config: DreamBoothConfig) -> Run:
         files = class_images.image_files(config.class_data_dir)[: config.num_class_images]
         views.append(ImageViews(files, config.resolution))
     cached = [cache_latents(vae, v) for v in views]
-    supervise.beat("latents cached")
+    status.beat("latents cached")
     prompt_ids = {"instance": _prompt_ids(parts.tokenizer, config.instance_prompt)}
     if config.with_prior_preservation:
         prompt_ids["class"] = _prompt_ids(parts.tokenizer, config.class_prompt)
@@ -347,10 +350,15 @@ def training_step(
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             if accelerator.num_processes > 1:
-                supervise.beat(
-                    supervise.WAITING
+                status.beat(
+                    status.WAITING
                 )  # a rank here waits for a slower one; helpers.launch blames that one
                 run.averager()  # micro-batches accumulate locally; one all-reduce per step
+            # after the all-reduce, so every process sees the same gradient and stops at the same step
+            check_finite(run, loss, "the loss")
+            check_finite(
+                run, [p.grad for p in run.params if p.grad is not None], "the gradient of the LoRA matrices"
+            )
             if config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(run.params, config.max_grad_norm)
         if check_gradient:
@@ -358,7 +366,36 @@ def training_step(
         run.optimizer.step()
         run.lr_scheduler.step()
         run.optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            check_finite(run, run.params, "the LoRA matrices")
     return loss.item(), instance.item(), None if prior is None else prior.item()
+
+
+LORA_LEARNING_RATES = "1e-5 to 1e-3"
+"""Where DreamBooth-LoRA trains well (diffusers' example uses 1e-4), named when a run diverges."""
+
+
+def check_finite(run: Run, tensors: torch.Tensor | list[torch.Tensor], what: str) -> None:
+    """Stop the run at once if ``what`` holds an inf or NaN, as the textual-inversion engine does.
+
+    Raises:
+        TrainingDivergedError: naming the step, the value, the likely cause and the fix.
+    """
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    bad = next((t.detach() for t in tensors if not torch.isfinite(t.detach()).all()), None)
+    if bad is None:
+        return
+    value = bad[~torch.isfinite(bad)].flatten()[0].item()
+    lr = run.optimizer.param_groups[0]["lr"]
+    causes = [f"the learning rate {lr:g} is too high (DreamBooth-LoRA trains well at {LORA_LEARNING_RATES})"]
+    if run.precision.mixed_precision == "bf16":
+        causes.append("bf16 precision (try --mixed_precision no)")
+    at = f" at step {run.step}" if run.step else ""
+    raise TrainingDivergedError(
+        f"training diverged{at}: {what} is not finite ({value}). Likely cause: {' or '.join(causes)}. "
+        f"Nothing was saved as a finished run. Fix: lower --learning_rate and start again with "
+        f"--overwrite_output_dir (or resume a checkpoint saved before this step)."
+    )
 
 
 def check_gradient_reaches(params: list[torch.nn.Parameter]) -> None:
@@ -393,6 +430,7 @@ def train_loop(run: Run, global_step: int, history: list[dict]) -> int:
                 else run.loader
             )
             for batch in batches:
+                run.step = global_step + 1
                 losses = training_step(run, batch, epoch, check_gradient=not checked)
                 checked = True
                 sums += torch.tensor([x if x is not None else 0.0 for x in losses])
@@ -408,7 +446,7 @@ def train_loop(run: Run, global_step: int, history: list[dict]) -> int:
                 history.append(record)
                 progress.update(1)
                 progress.set_postfix(loss=f"{means[0]:.4f}")
-                supervise.beat("training", global_step)  # helpers.launch's stall detection
+                status.beat("training", global_step)  # helpers.launch's stall detection
                 if global_step % config.checkpointing_steps == 0:
                     saving.save_checkpoint(run, global_step, history)
                 sums, micro, start = torch.zeros(3), 0, time.perf_counter()
@@ -430,13 +468,20 @@ def train(config: DreamBoothConfig) -> DreamBoothResult:
     """Run DreamBooth-LoRA as configured; return what was produced.
 
     Works the same in one process and under ``helpers.launch`` (mpirun, torchrun): every process
-    calls it; only the main process writes outputs.
+    calls it; only the main process writes outputs, holding ``output_dir``'s lock from before the
+    models load (:func:`helpers.training.engine.folder.hold_output_dir`).
     """
-    check_inputs(config)
+    ckpt = check_inputs(config)
+    with hold_output_dir(config, saving.DREAMBOOTH):  # one run per folder
+        return _train(config, ckpt)
+
+
+def _train(config: DreamBoothConfig, ckpt: Path | None) -> DreamBoothResult:
     run = setup_run(config)
-    global_step, history = saving.resume(run)
-    saving.prepare_output_dir(run)
-    global_step = train_loop(run, global_step, history)
+    start = saving.resume(run, ckpt)
+    history = saving.prepare_output_dir(run, start)
+    # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
+    global_step = train_loop(run, start, history) if start < run.max_steps else start
     summary = saving.write_outputs(run, global_step, history)
     # Teardown as the textual-inversion engine does: every rank past the barrier, then the group destroyed.
     run.accelerator.wait_for_everyone()

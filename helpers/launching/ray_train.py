@@ -65,16 +65,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-from helpers.core.errors import InputError
+from helpers.core.errors import DistributedError, InputError
 from helpers.core.files import write_text_atomic
 from helpers.launching import supervise
-from helpers.launching.distributed import DistributedError, LaunchCommand
+from helpers.launching.commands import LaunchCommand
+from helpers.launching.rank_output import FAILED_TAG, SECONDARY, WORKER_TAG
+from helpers.ranks import faults, status
 
 logger = logging.getLogger(__name__)
 
 RUN_FILE = "ray_run.json"  # in the work folder: what the driver saw (reports, start-up, nodes)
-WORKER_TAG = "helpers.launching.ray_train worker:"  # first line of each worker: its rank, pid and node
-FAILED_TAG = "helpers.launching.ray_train: ray worker"  # the driver's line about a worker that failed
 VERSIONS = ("ray", "torch")  # must be the same on every node (and Python)
 CONNECT_SECONDS = 3.0  # to decide that nothing answers at --ray_address
 SHUTDOWN_SECONDS = 30.0  # for ray.shutdown() before the private runtime is killed
@@ -288,7 +288,6 @@ def train_worker(job: dict) -> None:
     started_at = time.time()
     import ray.train
 
-    from helpers.launching import faults
     from helpers.training.config import TrainConfig
     from helpers.training.textual_inversion import train
 
@@ -301,19 +300,19 @@ def train_worker(job: dict) -> None:
         flush=True,
     )  # noqa: T201 - the launcher maps this pid to the rank
     _quiet()
-    supervise.start()
+    status.start()
     bar = _BarReader(sys.stderr)
     reporter = _StepReporter(rank, job["images_per_step"], job["config"]["max_train_steps"], bar, started_at)
-    supervise.add_listener(reporter)
+    status.add_listener(reporter)
     sys.stderr = bar  # tqdm takes sys.stderr when the engine creates its bar
     try:
         result = train(TrainConfig.from_dict(job["config"]))
     finally:
         sys.stderr = bar.stream
-        supervise.remove_listener(reporter)
+        status.remove_listener(reporter)
     print(f"learned embeddings: {result.learned_embeds_path}", flush=True)  # noqa: T201
     faults.hang_after_training(rank)  # test-only
-    supervise.finish()  # this rank has ended; the actor's process lives on until Ray stops it
+    status.finish()  # this rank has ended; the actor's process lives on until Ray stops it
     final = {"final": True, "rank": rank}
     if rank == 0:
         final.update(history=result.history, summary=result.summary)
@@ -571,7 +570,7 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
     sink.unlink(missing_ok=True)
     job = {
         "config": config.to_dict(),
-        "env": {supervise.STATUS_DIR_ENV: args.status_dir, "OMP_NUM_THREADS": str(threads)},
+        "env": {status.STATUS_DIR_ENV: args.status_dir, "OMP_NUM_THREADS": str(threads)},
         "images_per_step": config.train_batch_size * config.gradient_accumulation_steps * world,
     }
     trainer = TorchTrainer(
@@ -624,15 +623,14 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
         print(f"helpers.launching.ray_train: the workers started {startup['workers_started_seconds']} s after the "  # noqa: T201
               f"trainer; {len(rows)} step(s) reported", flush=True)  # fmt: skip
         return 0
-    from helpers.launch import _SECONDARY  # the errors a rank gets because another one went away
 
     failures = getattr(error, "worker_failures", None) or {}
     # The root cause first: helpers.launch names the first worker this prints.
     for rank, err in sorted(
-        failures.items(), key=lambda f: (bool(_SECONDARY.search(_first_line(f[1]))), f[0])
+        failures.items(), key=lambda f: (bool(SECONDARY.search(_first_line(f[1]))), f[0])
     ):
-        status = _status(args.status_dir, rank)
-        where = f"on node {status.get('host', '?')} (pid {status.get('pid', '?')})"
+        report = _status(args.status_dir, rank)
+        where = f"on node {report.get('host', '?')} (pid {report.get('pid', '?')})"
         print(f"{FAILED_TAG} rank {rank} failed {where}: {_first_line(err)}", flush=True)  # noqa: T201
     if not failures:
         print(f"helpers.launching.ray_train: training failed: {_first_line(error)}", flush=True)  # noqa: T201
@@ -673,7 +671,7 @@ def main(args: argparse.Namespace) -> int:
     if args.ray_address is None:  # a private runtime: a token for this run only, nothing in ~/.ray
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     signal.signal(signal.SIGTERM, supervise.interrupt)  # helpers.launch stops a job with TERM: clean up first
-    supervise.follow_launcher(args.status_dir)  # a launcher killed outright: TERM, so the same clean-up
+    status.follow_launcher(args.status_dir)  # a launcher killed outright: TERM, so the same clean-up
     runtime, graceful = _runtime(args), True
     why = f"Ray did not start within {INIT_SECONDS:g} s"
     watchdog = threading.Timer(INIT_SECONDS, _give_up, args=(why, runtime))

@@ -1,31 +1,11 @@
-"""Per-rank status for :mod:`helpers.launch`: which ranks started, which still run, who progresses.
+"""The launcher's side of supervision: which ranks run, which stalled, and stopping a job.
 
-Under mpirun the launcher sees one process (mpirun), under torchrun one per node: neither tells
-when a single rank ends. So the launcher sets ``WORKSHOP_STATUS_DIR`` (a folder every rank sees
-at the same path, ``<output_dir>/launch/status``) and each rank of ``helpers.train``:
-
-* holds an exclusive ``flock`` on ``rank<R>.lock`` from its start until the process is gone. The
-  kernel drops the lock whichever way the process ends (exit, exception, SIGKILL, a hang in
-  interpreter teardown finally killed), so "lock free" means "exited", with no clock involved;
-* rewrites ``rank<R>.json`` (host, pid, state, step, a beat counter) at every step and phase.
-  The launcher times progress with its own clock: a rank whose beat counter has not moved for
-  ``stall_seconds`` is stalled. A rank whose state is ``waiting`` (in a barrier while rank 0
-  validates or saves) is not judged.
-
+Each rank reports to a status folder (:mod:`helpers.ranks.status`). :class:`Watcher` polls it;
 :func:`stop` ends a job: TERM, then KILL, to the launchers' process trees here and to the ranks
-on other hosts (their host and pid come from the status files) over ssh.
-
-The launcher holds an exclusive ``flock`` on ``launcher.lock`` in the same folder for the whole
-job (:func:`hold_launcher_lock`), and every rank follows it (:func:`start` starts a thread that looks
-once a second): when the lock is free, the launcher is gone, however it ended (SIGKILL of a restarted
-notebook kernel included), and the rank sends itself SIGTERM. So no rank outlives its launcher by
-more than about a second, and none goes on to write ``run_summary.json`` as if the run had finished;
-its last complete checkpoint stays, and the run resumes from it.
-
-A rank that is not a process of its own (a Ray Train worker runs the engine inside a long-lived
-actor) calls :func:`finish` when its training function ends, which frees the lock as an exit
-would; :func:`add_listener` lets such a rank see every beat (e.g. to report each step to Ray).
-"""
+on other hosts (their host and pid come from the status files) over ssh. The launcher holds
+``launcher.lock`` there for the whole job (:func:`hold_launcher_lock`): its ranks end themselves
+once it is free, however the launcher ended; :func:`signals_interrupt` makes TERM and HUP stop the
+job as Ctrl-C does."""
 
 from __future__ import annotations
 
@@ -35,126 +15,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from helpers.core.files import write_text_atomic
 from helpers.core.outputs import SUMMARY
-from helpers.launching.distributed import is_local_host
-
-STATUS_DIR_ENV = "WORKSHOP_STATUS_DIR"
-WAITING = "waiting"
-LAUNCHER_LOCK = "launcher.lock"
-FOLLOW_SECONDS = 1.0  # how often a rank looks whether its launcher still holds its lock
-
-
-def rank_from_env() -> int | None:
-    """This process's global rank as the launchers set it (torchrun, Hydra/PMI, Open MPI)."""
-    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
-# --- in the rank ---------------------------------------------------------------------------------
-
-
-@dataclass
-class _Reporter:
-    folder: Path
-    rank: int
-    lock_fd: int
-    beats: int = 0
-
-
-_reporter: _Reporter | None = None
-_finished = threading.Event()
-Listener = Callable[[str, int | None], None]  # (state, step)
-_listeners: list[Listener] = []
-
-
-def start() -> None:
-    """Take this rank's lock and report ``started`` (no-op unless the launcher set the folder)."""
-    global _reporter
-    folder, rank = os.environ.get(STATUS_DIR_ENV), rank_from_env()
-    if not folder or rank is None or _reporter is not None:
-        return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    # Never closed: the kernel releases the lock when the process is gone, not before.
-    fd = os.open(Path(folder) / f"rank{rank}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    _reporter = _Reporter(Path(folder), rank, fd)
-    beat("started")
-    follow_launcher(folder)
-
-
-def follow_launcher(folder: str | os.PathLike) -> None:
-    """If a launcher holds ``launcher.lock`` in ``folder``: SIGTERM this process once it is free.
-
-    A thread looks every :data:`FOLLOW_SECONDS`; :func:`finish` stops it. Ranks call this through
-    :func:`start`; the Ray driver, which is not a rank, calls it itself.
-    """
-    launcher = Path(folder) / LAUNCHER_LOCK
-    if launcher.exists():
-        _finished.clear()
-        threading.Thread(target=_follow, args=(launcher,), name="follow-launcher", daemon=True).start()
-
-
-def _follow(launcher: Path) -> None:
-    """End this process (SIGTERM) once the launcher's lock is free, unless the rank has finished."""
-    while _lock_held(launcher):
-        if _finished.wait(FOLLOW_SECONDS):
-            return
-    if not _finished.is_set():
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def beat(state: str, step: int | None = None) -> None:
-    """Report progress: ``state`` (e.g. ``training``, ``saving``, ``waiting``) and the step.
-
-    Every listener (:func:`add_listener`) is called first, in this thread; an exception it raises
-    propagates to the caller (the training loop), as the failure of this rank.
-    """
-    for listener in list(_listeners):
-        listener(state, step)
-    r = _reporter
-    if r is None:
-        return
-    r.beats += 1
-    status = {"rank": r.rank, "host": socket.gethostname(), "pid": os.getpid(), "state": state,
-              "step": step, "beats": r.beats}  # fmt: skip
-    write_text_atomic(r.folder / f"rank{r.rank}.json", json.dumps(status))
-
-
-def finish() -> None:
-    """This rank has ended although its process lives on: free its lock (read as an exit) and
-    stop reporting. A no-op unless :func:`start` took the lock."""
-    global _reporter
-    r, _reporter = _reporter, None
-    _finished.set()  # a launcher that ends after this rank must not stop its process (a Ray actor)
-    if r is not None:
-        os.close(r.lock_fd)  # closing the only descriptor releases the flock
-
-
-def add_listener(listener: Listener) -> None:
-    """Call ``listener(state, step)`` at every :func:`beat` of this process, until removed."""
-    _listeners.append(listener)
-
-
-def remove_listener(listener: Listener) -> None:
-    """Stop calling ``listener`` (no error if it is not registered)."""
-    if listener in _listeners:
-        _listeners.remove(listener)
-
-
-# --- in the launcher -----------------------------------------------------------------------------
+from helpers.launching.layout import is_local_host
+from helpers.ranks.status import LAUNCHER_LOCK, WAITING, lock_held
 
 
 def _tree(procs: Sequence[subprocess.Popen]) -> list[psutil.Process]:
@@ -251,20 +123,6 @@ def prepare(folder: str | os.PathLike) -> Path:
     return folder
 
 
-def _lock_held(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also releases the shared lock if it was granted
-    return False
-
-
 @dataclass
 class RankState:
     """What the launcher knows of one rank."""
@@ -296,7 +154,7 @@ class Watcher:
             if status.get("beats") != state.status.get("beats"):
                 state.progress_at = now
             state.status = status
-            if state.alive and not _lock_held(lock):
+            if state.alive and not lock_held(lock):
                 state.alive, state.exited_at = False, now
         return self.ranks
 

@@ -41,11 +41,12 @@ from helpers.core.outputs import (
     SUMMARY,
     TRAIN_CONFIG,
 )
-from helpers.launching import faults, supervise
+from helpers.ranks import faults, status
 from helpers.training import data, models
 from helpers.training.config import TrainConfig
 from helpers.training.engine import TrainingDivergedError, TrainingInputError
 from helpers.training.engine.checkpoints import (
+    check_not_past_the_end,
     checkpoint_step,
     list_checkpoints,
     load_history,
@@ -55,12 +56,14 @@ from helpers.training.engine.checkpoints import (
     save_checkpoint,
 )
 from helpers.training.engine.folder import (
+    FolderLock,
     OutputFolder,
     check_checkpoint_matches,
     check_output_dir,
     checkpoint_settings,
     clear_leftovers,
     clear_run,
+    hold_output_dir,
     inspect_output_dir,
 )
 from helpers.training.engine.rows import (
@@ -77,6 +80,7 @@ from helpers.training.engine.saving import (
     save_full_pipeline,
     save_learned_embeds,
     save_samples,
+    storage_errors,
     write_json,
 )
 from helpers.training.engine.setup import Run, setup_run
@@ -111,12 +115,14 @@ __all__ = [
     "cache_latents",
     "check_gradient_reaches",
     "CheckedInputs",
+    "FolderLock",
     "OutputFolder",
     "check_checkpoint_matches",
     "check_inputs",
     "check_output_dir",
     "clear_leftovers",
     "clear_run",
+    "hold_output_dir",
     "inspect_output_dir",
     "check_not_past_the_end",
     "checkpoint_settings",
@@ -203,31 +209,11 @@ def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
     return CheckedInputs(images, folder, ckpt)
 
 
-def check_not_past_the_end(ckpt: Path, max_steps: int) -> None:
-    """Refuse to resume a checkpoint saved after the run's last step.
-
-    A checkpoint at the last step is fine (the run writes its outputs without training); one past
-    it holds rows trained longer than this run may train, so it is refused rather than reported
-    as a shorter run.
-
-    Raises:
-        TrainingInputError: with the two fixes.
-    """
-    step = checkpoint_step(ckpt)
-    if step > max_steps:
-        earlier = [p.name for p in list_checkpoints(ckpt.parent.parent) if checkpoint_step(p) <= max_steps]
-        raise TrainingInputError(
-            f"resume_from_checkpoint {ckpt} was saved at step {step}, after this run's last step "
-            f"(max_train_steps={max_steps}). Fix: pass --max_train_steps {step} or more to continue from it"
-            + (f", or resume an earlier checkpoint ({', '.join(earlier)})." if earlier else ".")
-        )
-
-
 def train(config: TrainConfig) -> TrainResult:
     """Run textual inversion as configured; return what was produced.
 
     Works the same in one process and under ``accelerate launch`` / ``torchrun`` / ``mpirun``.
-    Only the main process writes outputs.
+    Only the main process writes outputs, holding ``output_dir``'s lock from before the models load.
     """
     from transformers import CLIPTokenizer
 
@@ -236,6 +222,13 @@ def train(config: TrainConfig) -> TrainResult:
     model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
     tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
     check_tokens(tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors)
+    with hold_output_dir(config):  # one run per folder: a second one is refused with this one's pid
+        return _train(config, called, checked, model_dir, tokenizer)
+
+
+def _train(
+    config: TrainConfig, called: float, checked: CheckedInputs, model_dir: Path, tokenizer
+) -> TrainResult:
     run = setup_run(config, model_dir, tokenizer)
     start = resume(run, checked.checkpoint)
     history = prepare_output_dir(run, start)
@@ -354,7 +347,7 @@ def train_loop(run: Run, start: int, history: list[dict]) -> int:
             )
             progress.update(1)
             progress.set_postfix(loss=f"{loss:.4f}")
-            supervise.beat("training", step)  # helpers.launch's stall detection
+            status.beat("training", step)  # helpers.launch's stall detection
             faults.stall_after_step(accelerator.process_index, step)  # test-only
             _periodic_saves(run, step, history)
             step_start = time.perf_counter()
@@ -369,12 +362,20 @@ def _periodic_saves(run: Run, step: int, history: list[dict]) -> None:
         path = run.output_dir / f"learned_embeds-steps-{step}.safetensors"
         save_learned_embeds(path, config.placeholder_token, run.vectors)
     if step % config.checkpointing_steps == 0:
-        save_checkpoint(accelerator, config, run.output_dir, step, run.vectors, history)
+        vectors = run.vectors
+        save_checkpoint(
+            accelerator,
+            config,
+            run.output_dir,
+            step,
+            history,
+            lambda folder: save_learned_embeds(folder / LEARNED_EMBEDS, config.placeholder_token, vectors),
+        )
     if config.validation_prompt and config.num_validation_images and step % config.validation_steps == 0:
         if accelerator.is_main_process:
             save_samples(run, run.output_dir / SAMPLES / f"step-{step}")
         else:
-            supervise.beat(supervise.WAITING, step)  # rank 0 samples meanwhile
+            status.beat(status.WAITING, step)  # rank 0 samples meanwhile
         accelerator.wait_for_everyone()
 
 
@@ -417,10 +418,11 @@ def write_outputs(run: Run, history: list[dict], steps: int, copied: PipelineCop
     run.hook.remove()
     learned_path = output_dir / LEARNED_EMBEDS
     pipeline_dir = output_dir if config.save_as_full_pipeline else None
-    supervise.beat("saving" if accelerator.is_main_process else supervise.WAITING, steps)
+    status.beat("saving" if accelerator.is_main_process else status.WAITING, steps)
     if accelerator.is_main_process:
-        save_learned_embeds(learned_path, config.placeholder_token, run.vectors)
-        write_json(output_dir / HISTORY, history)
+        with storage_errors(learned_path, "the learned embeddings"):
+            save_learned_embeds(learned_path, config.placeholder_token, run.vectors)
+            write_json(output_dir / HISTORY, history)
         (output_dir / HISTORY_PARTIAL).unlink(missing_ok=True)  # history.json holds it all now
         kept = list_checkpoints(output_dir)
         if kept:  # a run resumed at its end saved none, yet the limit holds when it finishes
@@ -428,7 +430,8 @@ def write_outputs(run: Run, history: list[dict], steps: int, copied: PipelineCop
         if config.validation_prompt and config.num_validation_images:
             save_samples(run, output_dir / SAMPLES / "final")
         if config.save_as_full_pipeline:
-            save_full_pipeline(run, output_dir, copied)
+            with storage_errors(output_dir, "the full pipeline", discard=copied.folder):
+                save_full_pipeline(run, output_dir, copied)
         elif (output_dir / MODEL_INDEX).exists():  # resumed without the flag: not this run's rows
             remove_full_pipeline(output_dir)
         write_json(output_dir / SUMMARY, summary)  # written last: marks a finished run

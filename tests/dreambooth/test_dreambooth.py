@@ -9,8 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.core.errors import InputError
 from helpers.dreambooth import class_images, lora, training
 from helpers.dreambooth.config import DreamBoothConfig, DreamBoothConfigError, parse_args
+from helpers.launching import job
+from helpers.launching.layout import ClusterLayout, free_port
 from helpers.training import data, models
 from helpers.training.engine import prepack
 
@@ -71,9 +74,9 @@ def test_flags_are_those_of_diffusers_script():
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["--report_to=wandb"], r"--report_to: metrics go to output_dir/history\.json"),
-        (["--push_to_hub"], r"--push_to_hub: this workshop runs offline"),
-        (["--use_8bit_adam"], r"--use_8bit_adam: bitsandbytes' 8-bit Adam is GPU-only"),
+        (["--report_to=wandb"], r"--report_to \(metrics go to output_dir/history\.json"),
+        (["--push_to_hub"], r"--push_to_hub \(this workshop runs offline"),
+        (["--use_8bit_adam"], r"--use_8bit_adam \(bitsandbytes' 8-bit Adam is GPU-only"),
         (["--mixed_precision=fp16"], r"fp16 is a GPU format"),
     ],
 )
@@ -100,8 +103,8 @@ BAD_INPUTS = {
         ["--with_prior_preservation", "--class_data_dir", "{tmp}/file.txt", "--class_prompt", "a toy"],
         "is a file, not a folder",
     ),
-    "rank 0": (["--rank", "0"], "rank=0: the LoRA rank must be at least 1"),
-    "negative rank": (["--rank", "-4"], "rank=-4"),
+    "rank 0": (["--rank", "0"], "rank='0': must be at least 1 (4 to 16 is usual)"),
+    "negative rank": (["--rank", "-4"], "rank='-4': must be at least 1"),
     "empty instance prompt": (["--instance_prompt", "  "], "instance_prompt is empty"),
     "unsupported flag": (["--enable_xformers_memory_efficient_attention"], "xformers is GPU-only"),
 }
@@ -407,7 +410,7 @@ def test_resume_equals_uninterrupted(run, tmp_path):
 def test_finished_run_is_not_overwritten(run):
     config, result, _ = run
     before = result.lora_weights_path.read_bytes()
-    with pytest.raises(training.InputError, match="already holds a finished run"):
+    with pytest.raises(InputError, match="already holds a finished run"):
         training.train(config)
     assert result.lora_weights_path.read_bytes() == before
     assert os.path.exists(result.output_dir / "run_summary.json")
@@ -443,17 +446,12 @@ def process_runs(tmp_path_factory):
     import subprocess
     import sys
 
-    from helpers import launch
-    from helpers.launching import distributed as d
-
     root = tmp_path_factory.mktemp("dreambooth-processes")
-    layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
-    commands = launch.prepare_job(
-        layout, launch_args(root, "mpirun", 1), "mpirun", module="helpers.dreambooth"
-    )
-    launch.run_job(commands, stream=io.StringIO(), cwd=root, timeout=900).raise_for_failure()
+    layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
+    commands = job.prepare_job(layout, launch_args(root, "mpirun", 1), "mpirun", module="helpers.dreambooth")
+    job.run_job(commands, stream=io.StringIO(), cwd=root, timeout=900).raise_for_failure()
     torchrun = [sys.executable, "-m", "helpers.launch", "--launcher", "torchrun", "--nproc_per_node", "2",
-                "--threads_per_process", "1", "--main_process_port", str(d.free_port()),
+                "--threads_per_process", "1", "--main_process_port", str(free_port()),
                 "--module", "helpers.dreambooth", "--", *launch_args(root, "torchrun", 1)]  # fmt: skip
     single = [sys.executable, "-m", "helpers.dreambooth", *launch_args(root, "single", 2)]
     half = [sys.executable, "-m", "helpers.dreambooth", *launch_args(root, "half", 1)]

@@ -17,28 +17,40 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.launching import distributed as d
+from helpers.core import errors
+from helpers.launching import accelerate_config, commands, preflight
+from helpers.launching.layout import (
+    DEFAULT_PORT,
+    ClusterLayout,
+    MpiFlavour,
+    free_port,
+    is_local_host,
+    physical_cores,
+    write_hostfile,
+)
+from helpers.ranks import backend
+from helpers.workshop import forms
 
 HOSTS4 = ("node1", "node2", "node3", "node4")
 MPIRUNS = {
-    d.MpiFlavour.INTEL: Path(sys.executable).parent / "mpirun",
-    d.MpiFlavour.MPICH: Path("/usr/bin/mpirun.mpich"),
-    d.MpiFlavour.OPENMPI: Path("/usr/bin/mpirun.openmpi"),
+    MpiFlavour.INTEL: Path(sys.executable).parent / "mpirun",
+    MpiFlavour.MPICH: Path("/usr/bin/mpirun.mpich"),
+    MpiFlavour.OPENMPI: Path("/usr/bin/mpirun.openmpi"),
 }
 INSTALL = {
-    d.MpiFlavour.INTEL: "pip install impi-rt==2021.18.1 (make setup)",
-    d.MpiFlavour.MPICH: "apt-get install mpich",
-    d.MpiFlavour.OPENMPI: "apt-get install openmpi-bin",
+    MpiFlavour.INTEL: "pip install impi-rt==2021.18.1 (make setup)",
+    MpiFlavour.MPICH: "apt-get install mpich",
+    MpiFlavour.OPENMPI: "apt-get install openmpi-bin",
 }
 # How each flavour is told to use another ssh program, without changing the command line.
 SSH_OVERRIDE = {
-    d.MpiFlavour.INTEL: lambda ssh: {"I_MPI_HYDRA_BOOTSTRAP": "ssh", "I_MPI_HYDRA_BOOTSTRAP_EXEC": ssh},
-    d.MpiFlavour.MPICH: lambda ssh: {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": ssh},
-    d.MpiFlavour.OPENMPI: lambda ssh: {"OMPI_MCA_plm_rsh_agent": ssh},
+    MpiFlavour.INTEL: lambda ssh: {"I_MPI_HYDRA_BOOTSTRAP": "ssh", "I_MPI_HYDRA_BOOTSTRAP_EXEC": ssh},
+    MpiFlavour.MPICH: lambda ssh: {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": ssh},
+    MpiFlavour.OPENMPI: lambda ssh: {"OMPI_MCA_plm_rsh_agent": ssh},
 }
 
 
-def mpirun_for(flavour: d.MpiFlavour) -> str:
+def mpirun_for(flavour: MpiFlavour) -> str:
     path = MPIRUNS[flavour]
     if not path.exists():
         pytest.skip(f"{flavour.value} is not installed here: {INSTALL[flavour]}")
@@ -49,22 +61,22 @@ def mpirun_for(flavour: d.MpiFlavour) -> str:
 
 
 def test_local_layout_defaults():
-    layout = d.ClusterLayout.local(2)
+    layout = ClusterLayout.local(2)
     assert layout.is_local and layout.world_size == 2 and layout.num_machines == 1
-    assert layout.main_process_ip == "127.0.0.1" and layout.main_process_port == d.DEFAULT_PORT
-    assert layout.threads_per_process == max(1, d.physical_cores() // 2)
+    assert layout.main_process_ip == "127.0.0.1" and layout.main_process_port == DEFAULT_PORT
+    assert layout.threads_per_process == max(1, physical_cores() // 2)
 
 
 def test_port_0_picks_a_port_free_on_this_machine():
-    layout = d.ClusterLayout.local(2, main_process_port=0)
+    layout = ClusterLayout.local(2, main_process_port=0)
     assert 1 <= layout.main_process_port <= 65535
     with socket.socket() as s:  # free: the rendezvous can listen on it
         s.bind(("127.0.0.1", layout.main_process_port))
-    assert d.job_env(layout)["MASTER_PORT"] == str(layout.main_process_port)
+    assert commands.job_env(layout)["MASTER_PORT"] == str(layout.main_process_port)
 
 
 def test_remote_layout_uses_first_host_as_main():
-    layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=8)
+    layout = ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=8)
     assert not layout.is_local and layout.world_size == 16 and layout.main_process_ip == "node1"
 
 
@@ -79,10 +91,10 @@ def test_remote_layout_uses_first_host_as_main():
 def test_hostfile_syntaxes(tmp_path, text):
     path = tmp_path / "hosts"
     path.write_text(text)
-    layout = d.ClusterLayout.from_hostfile(path)
+    layout = ClusterLayout.from_hostfile(path)
     assert layout.hosts == ("node1", "node2")
     assert layout.nproc_per_node == (1 if ":" not in text and "slots" not in text else 4)
-    assert d.ClusterLayout.from_hostfile(path, nproc_per_node=3).nproc_per_node == 3
+    assert ClusterLayout.from_hostfile(path, nproc_per_node=3).nproc_per_node == 3
 
 
 @pytest.mark.parametrize(
@@ -97,29 +109,29 @@ def test_hostfile_syntaxes(tmp_path, text):
 def test_bad_hostfiles_name_the_problem(tmp_path, text, match):
     path = tmp_path / "hosts"
     path.write_text(text)
-    with pytest.raises(d.DistributedError, match=match):
-        d.ClusterLayout.from_hostfile(path)
+    with pytest.raises(errors.DistributedError, match=match):
+        ClusterLayout.from_hostfile(path)
 
 
 def test_missing_hostfile_and_bad_values():
-    with pytest.raises(d.DistributedError, match="does not exist"):
-        d.ClusterLayout.from_hostfile("/no/such/hostfile")
-    with pytest.raises(d.DistributedError, match="nproc_per_node=0"):
-        d.ClusterLayout.local(0)
-    with pytest.raises(d.DistributedError, match="main_process_port=70000"):
-        d.ClusterLayout.local(1, main_process_port=70000)
-    with pytest.raises(d.DistributedError, match="main_process_port=-1: .* or 0 for one that is free"):
-        d.ClusterLayout.local(1, main_process_port=-1)
-    with pytest.raises(d.DistributedError, match="hosts="):
-        d.ClusterLayout(())
+    with pytest.raises(errors.DistributedError, match="does not exist"):
+        ClusterLayout.from_hostfile("/no/such/hostfile")
+    with pytest.raises(errors.DistributedError, match="nproc_per_node=0"):
+        ClusterLayout.local(0)
+    with pytest.raises(errors.DistributedError, match="main_process_port=70000"):
+        ClusterLayout.local(1, main_process_port=70000)
+    with pytest.raises(errors.DistributedError, match="main_process_port=-1: .* or 0 for one that is free"):
+        ClusterLayout.local(1, main_process_port=-1)
+    with pytest.raises(errors.DistributedError, match="hosts="):
+        ClusterLayout(())
 
 
-@pytest.mark.parametrize("flavour", list(d.MpiFlavour))
+@pytest.mark.parametrize("flavour", list(MpiFlavour))
 def test_write_hostfile_round_trips(tmp_path, flavour):
-    layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=1)
-    path = d.write_hostfile(layout, tmp_path / "hostfile", flavour)
+    layout = ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=1)
+    path = write_hostfile(layout, tmp_path / "hostfile", flavour)
     assert path.read_text().splitlines()[0] == ("node1:4" if flavour.hydra else "node1 slots=4")
-    assert d.ClusterLayout.from_hostfile(path).hosts == HOSTS4
+    assert ClusterLayout.from_hostfile(path).hosts == HOSTS4
 
 
 # --- accelerate configs --------------------------------------------------------------------------
@@ -129,8 +141,8 @@ def test_configs_load_with_accelerates_loader(tmp_path):
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
     from accelerate.utils import DistributedType
 
-    layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, main_process_ip="10.0.0.4", main_process_port=29555)
-    paths = d.write_accelerate_configs(layout, tmp_path / "cfg", mixed_precision="bf16")
+    layout = ClusterLayout(HOSTS4, nproc_per_node=4, main_process_ip="10.0.0.4", main_process_port=29555)
+    paths = accelerate_config.write_accelerate_configs(layout, tmp_path / "cfg", mixed_precision="bf16")
     assert [p.name for p in paths] == [f"accelerate_config_node{k}.yaml" for k in range(4)]
     for k, path in enumerate(paths):
         cfg = load_config_from_file(str(path))
@@ -149,14 +161,14 @@ def test_mixed_precision_no_stays_a_string_and_auto_resolves(tmp_path):
 
     from helpers.core import cpu
 
-    layout = d.ClusterLayout.local(2)
+    layout = ClusterLayout.local(2)
     for requested, expected in [("no", "no"), ("auto", cpu.choose_precision("auto").mixed_precision)]:
-        (path,) = d.write_accelerate_configs(layout, tmp_path / requested, requested)
+        (path,) = accelerate_config.write_accelerate_configs(layout, tmp_path / requested, requested)
         assert load_config_from_file(str(path)).mixed_precision == expected
-    with pytest.raises(d.DistributedError, match="mixed_precision='fp16'"):
-        d.write_accelerate_configs(layout, tmp_path, "fp16")
-    with pytest.raises(d.DistributedError, match="machine_rank=1"):
-        d.render_accelerate_config(layout, machine_rank=1)
+    with pytest.raises(errors.DistributedError, match="mixed_precision='fp16'"):
+        accelerate_config.write_accelerate_configs(layout, tmp_path, "fp16")
+    with pytest.raises(errors.DistributedError, match="machine_rank=1"):
+        accelerate_config.render_accelerate_config(layout, machine_rank=1)
 
 
 def test_our_answers_reproduce_the_interactive_accelerate_config(monkeypatch):
@@ -165,11 +177,11 @@ def test_our_answers_reproduce_the_interactive_accelerate_config(monkeypatch):
     import accelerate.commands.config.cluster as cluster
     import accelerate.commands.config.config as config
 
-    layout = d.ClusterLayout(HOSTS4, nproc_per_node=2, main_process_ip="10.0.0.4", main_process_port=29501)
-    text = d.render_accelerate_config(
+    layout = ClusterLayout(HOSTS4, nproc_per_node=2, main_process_ip="10.0.0.4", main_process_port=29501)
+    text = accelerate_config.render_accelerate_config(
         layout, machine_rank=2, mixed_precision="no", mpirun_hostfile="/tmp/hosts"
     )
-    answers = {a.question.strip(): a.answer for a in d.config_answers(text) if a.question}
+    answers = {a.question.strip(): a.answer for a in accelerate_config.config_answers(text) if a.question}
     asked = []
 
     def ask_field(question, convert_value=None, default=None, error_message=None):
@@ -196,7 +208,7 @@ def test_our_answers_reproduce_the_interactive_accelerate_config(monkeypatch):
 def test_template_asset_is_annotated_and_loads(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    template = d.CONFIG_TEMPLATE.read_text()
+    template = accelerate_config.CONFIG_TEMPLATE.read_text()
     assert "<HEAD_NODE_IP>" in template and "<MACHINE_RANK>" in template
     path = tmp_path / "t.yaml"
     path.write_text(template)  # placeholders are strings: still a file accelerate's loader reads
@@ -206,9 +218,9 @@ def test_template_asset_is_annotated_and_loads(tmp_path):
 @pytest.mark.slow
 def test_mpirun_config_lets_accelerate_launch_start_all_ranks(tmp_path):
     """The 'yes' answer to 'launch mpirun?': `accelerate launch --config_file` alone starts both ranks."""
-    layout = d.ClusterLayout.local(2, main_process_port=d.free_port())
-    hostfile = d.write_hostfile(layout, tmp_path / "hostfile", d.MpiFlavour.INTEL)
-    (config,) = d.write_accelerate_configs(layout, tmp_path, mpirun_hostfile=hostfile)
+    layout = ClusterLayout.local(2, main_process_port=free_port())
+    hostfile = write_hostfile(layout, tmp_path / "hostfile", MpiFlavour.INTEL)
+    (config,) = accelerate_config.write_accelerate_configs(layout, tmp_path, mpirun_hostfile=hostfile)
     script = tmp_path / "world.py"
     script.write_text(
         "from accelerate import Accelerator\na = Accelerator(cpu=True)\n"
@@ -227,14 +239,14 @@ def test_mpirun_config_lets_accelerate_launch_start_all_ranks(tmp_path):
 # --- flavour, backend, environment ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flavour", list(d.MpiFlavour))
+@pytest.mark.parametrize("flavour", list(MpiFlavour))
 def test_detect_mpi_flavour(flavour):
-    assert d.detect_mpi_flavour(mpirun_for(flavour)) is flavour
+    assert commands.detect_mpi_flavour(mpirun_for(flavour)) is flavour
 
 
 def test_detect_rejects_a_program_that_is_not_mpi():
-    with pytest.raises(d.DistributedError, match="not Intel MPI, MPICH or Open MPI"):
-        d.detect_mpi_flavour(shutil.which("python3") or sys.executable)
+    with pytest.raises(errors.DistributedError, match="not Intel MPI, MPICH or Open MPI"):
+        commands.detect_mpi_flavour(shutil.which("python3") or sys.executable)
 
 
 def test_ranks_start_the_backend_the_launcher_put_in_their_environment(monkeypatch):
@@ -242,39 +254,41 @@ def test_ranks_start_the_backend_the_launcher_put_in_their_environment(monkeypat
     is left to accelerate; ccl without its bindings and an unknown name are one clear error."""
     import torch.distributed as dist
 
-    monkeypatch.delenv(d.BACKEND_ENV, raising=False)
-    assert d.init_backend() == "gloo" and not dist.is_initialized()
-    monkeypatch.setenv(d.BACKEND_ENV, "ccl")
-    with pytest.raises(d.DistributedError, match="needs oneccl_bindings_for_pytorch, which does not import"):
-        d.init_backend()
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
+    assert backend.init_backend() == "gloo" and not dist.is_initialized()
+    monkeypatch.setenv(backend.BACKEND_ENV, "ccl")
+    with pytest.raises(
+        errors.DistributedError, match="needs oneccl_bindings_for_pytorch, which does not import"
+    ):
+        backend.init_backend()
     assert not dist.is_initialized()
-    monkeypatch.setenv(d.BACKEND_ENV, "nccl")
-    with pytest.raises(d.DistributedError, match="WORKSHOP_BACKEND='nccl': use 'gloo' or 'ccl'"):
-        d.init_backend()
+    monkeypatch.setenv(backend.BACKEND_ENV, "nccl")
+    with pytest.raises(errors.DistributedError, match="WORKSHOP_BACKEND='nccl': use 'gloo' or 'ccl'"):
+        backend.init_backend()
 
 
 def test_backend_is_gloo_here_and_env_is_explicit():
-    assert d.select_backend() == "gloo"  # oneccl_bindings_for_pytorch is not installable here
-    layout = d.ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=6, network_interface="eth1")
-    env = d.job_env(layout)
+    assert backend.select_backend() == "gloo"  # oneccl_bindings_for_pytorch is not installable here
+    layout = ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=6, network_interface="eth1")
+    env = commands.job_env(layout)
     assert env == {
         "MASTER_ADDR": "node1", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "6",
         "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth1", "WORKSHOP_BACKEND": "gloo",
     }  # fmt: skip
-    assert {"CCL_WORKER_COUNT", "CCL_ATL_TRANSPORT", "FI_TCP_IFACE"} <= set(d.job_env(layout, "ccl"))
-    with pytest.raises(d.DistributedError, match="backend='nccl'"):
-        d.job_env(layout, "nccl")
+    assert {"CCL_WORKER_COUNT", "CCL_ATL_TRANSPORT", "FI_TCP_IFACE"} <= set(commands.job_env(layout, "ccl"))
+    with pytest.raises(errors.DistributedError, match="backend='nccl'"):
+        commands.job_env(layout, "nccl")
 
 
 # --- commands ----------------------------------------------------------------------------------------
 
 
 def test_hydra_command_syntax():
-    layout = d.ClusterLayout(
+    layout = ClusterLayout(
         HOSTS4, 4, main_process_ip="10.0.0.4", threads_per_process=2, network_interface="eth0"
     )
-    (intel,) = d.launch_commands(
-        layout, ["--seed", "1"], flavour=d.MpiFlavour.INTEL, mpirun="mpirun", hostfile="hf"
+    (intel,) = commands.launch_commands(
+        layout, ["--seed", "1"], flavour=MpiFlavour.INTEL, mpirun="mpirun", hostfile="hf"
     )
     argv = list(intel.argv)
     assert argv[:8] == ["mpirun", "-l", "-f", "hf", "-n", "16", "-ppn", "4"]
@@ -284,13 +298,13 @@ def test_hydra_command_syntax():
     assert argv[argv.index(sys.executable) : argv.index(sys.executable) + 3] == [
         sys.executable, "-m", "accelerate.commands.launch",
     ]  # fmt: skip
-    (mpich,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.MPICH, mpirun="mpirun", hostfile="hf")
+    (mpich,) = commands.launch_commands(layout, [], flavour=MpiFlavour.MPICH, mpirun="mpirun", hostfile="hf")
     assert "-iface eth0" in mpich.shell() and not mpich.env
 
 
 def test_openmpi_command_syntax():
-    layout = d.ClusterLayout(HOSTS4, 4, threads_per_process=2, network_interface="eth0")
-    (cmd,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.OPENMPI, mpirun="mpirun", hostfile="hf")
+    layout = ClusterLayout(HOSTS4, 4, threads_per_process=2, network_interface="eth0")
+    (cmd,) = commands.launch_commands(layout, [], flavour=MpiFlavour.OPENMPI, mpirun="mpirun", hostfile="hf")
     line = cmd.shell()
     assert "--hostfile hf -n 16 --npernode 4" in line and "--bind-to none" in line
     assert "-x MASTER_ADDR=node1 -x MASTER_PORT=29500 -x OMP_NUM_THREADS=2" in line
@@ -299,28 +313,30 @@ def test_openmpi_command_syntax():
 
 
 def test_local_commands_need_no_hostfile():
-    layout = d.ClusterLayout.local(2)
-    (hydra,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.INTEL, mpirun="mpirun")
-    (ompi,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.OPENMPI, mpirun="mpirun")
+    layout = ClusterLayout.local(2)
+    (hydra,) = commands.launch_commands(layout, [], flavour=MpiFlavour.INTEL, mpirun="mpirun")
+    (ompi,) = commands.launch_commands(layout, [], flavour=MpiFlavour.OPENMPI, mpirun="mpirun")
     assert "-hosts localhost -n 2 -ppn 2" in hydra.shell() and "--host localhost:2 -n 2" in ompi.shell()
 
 
 def test_without_config_file_the_accelerate_settings_go_inline():
-    layout = d.ClusterLayout(HOSTS4, 2, threads_per_process=1)
-    (cmd,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.INTEL, mpirun="mpirun")
+    layout = ClusterLayout(HOSTS4, 2, threads_per_process=1)
+    (cmd,) = commands.launch_commands(layout, [], flavour=MpiFlavour.INTEL, mpirun="mpirun")
     assert (
         "--cpu --num_machines 4 --num_processes 8 --main_process_ip node1 --main_process_port 29500"
         in cmd.shell()
     )
-    (cfg,) = d.launch_commands(layout, [], flavour=d.MpiFlavour.INTEL, mpirun="mpirun", config_file="c.yaml")
+    (cfg,) = commands.launch_commands(
+        layout, [], flavour=MpiFlavour.INTEL, mpirun="mpirun", config_file="c.yaml"
+    )
     assert f"--config_file {os.path.abspath('c.yaml')} -m helpers.train" in cfg.shell()
 
 
 def test_torchrun_commands_parse_with_torchruns_own_parser():
     from torch.distributed.run import get_args_parser
 
-    layout = d.ClusterLayout(HOSTS4, 4, main_process_ip="10.0.0.4", threads_per_process=2)
-    cmds = d.launch_commands(layout, ["--seed", "1"], "torchrun", log_dir="run logs")
+    layout = ClusterLayout(HOSTS4, 4, main_process_ip="10.0.0.4", threads_per_process=2)
+    cmds = commands.launch_commands(layout, ["--seed", "1"], "torchrun", log_dir="run logs")
     assert [c.host for c in cmds] == list(HOSTS4) and [c.rank_offset for c in cmds] == [0, 4, 8, 12]
     for k, cmd in enumerate(cmds):
         assert cmd.argv[:3] == (sys.executable, "-m", "torch.distributed.run")
@@ -333,21 +349,21 @@ def test_torchrun_commands_parse_with_torchruns_own_parser():
 
 
 def test_bad_launcher_is_named():
-    with pytest.raises(d.DistributedError, match="launcher='srun'"):
-        d.launch_commands(d.ClusterLayout.local(1), [], "srun")
+    with pytest.raises(errors.DistributedError, match="launcher='srun'"):
+        commands.launch_commands(ClusterLayout.local(1), [], "srun")
 
 
-@pytest.mark.parametrize("flavour", list(d.MpiFlavour))
+@pytest.mark.parametrize("flavour", list(MpiFlavour))
 def test_four_nodes_by_four_processes_run_as_planned(tmp_path, fake_ssh, flavour):
     """The exact 4 x 4 command of each flavour, run on four ssh stand-ins: 16 ranks, 4 per node,
     every rank with the environment we set."""
     mpirun = mpirun_for(flavour)
-    layout = d.ClusterLayout(
+    layout = ClusterLayout(
         HOSTS4, 4, main_process_ip="10.9.8.7", main_process_port=29777, threads_per_process=3
     )
-    hostfile = d.write_hostfile(layout, tmp_path / "hostfile", flavour)
+    hostfile = write_hostfile(layout, tmp_path / "hostfile", flavour)
     probe = ["sh", "-c", 'echo "ON $FAKE_HOST $MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS"']
-    (cmd,) = d.launch_commands(layout, [], mpirun=mpirun, hostfile=hostfile, program=probe)
+    (cmd,) = commands.launch_commands(layout, [], mpirun=mpirun, hostfile=hostfile, program=probe)
     env = dict(os.environ, **cmd.env, **SSH_OVERRIDE[flavour](str(fake_ssh)))
     env["PATH"] = f"{Path(mpirun).parent}{os.pathsep}{env['PATH']}"
     out = subprocess.run(cmd.argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
@@ -367,8 +383,8 @@ def test_four_nodes_by_four_processes_run_as_planned(tmp_path, fake_ssh, flavour
 
 
 def test_preflight_on_this_machine_finds_nothing_wrong(tmp_path):
-    layout = d.ClusterLayout(("localhost",), 2, main_process_port=d.free_port())
-    assert d.preflight(layout, tmp_path) == []
+    layout = ClusterLayout(("localhost",), 2, main_process_port=free_port())
+    assert preflight.preflight(layout, tmp_path) == []
 
 
 def test_preflight_reports_missing_data_busy_port_and_unknown_host(tmp_path):
@@ -376,9 +392,9 @@ def test_preflight_reports_missing_data_busy_port_and_unknown_host(tmp_path):
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        layout = d.ClusterLayout(("localhost", "no-such-node.invalid"), 1, main_process_ip="localhost",
+        layout = ClusterLayout(("localhost", "no-such-node.invalid"), 1, main_process_ip="localhost",
                                  main_process_port=port, threads_per_process=1)  # fmt: skip
-        problems = d.preflight(layout, tmp_path / "missing", timeout=5)
+        problems = preflight.preflight(layout, tmp_path / "missing", timeout=5)
     found = {(p.host, p.check) for p in problems}
     assert found == {("localhost", "files"), ("localhost", "port"), ("no-such-node.invalid", "ssh")}
     ssh_problem = next(p for p in problems if p.check == "ssh")
@@ -388,13 +404,13 @@ def test_preflight_reports_missing_data_busy_port_and_unknown_host(tmp_path):
 
 def test_preflight_over_ssh_compares_versions(tmp_path, fake_ssh):
     """Through the ssh stand-in the probe runs remotely; same interpreter, so nothing differs."""
-    layout = d.ClusterLayout(("nodeA", "nodeB"), 1, main_process_port=d.free_port(), threads_per_process=1)
-    assert d.preflight(layout, tmp_path, ssh=(str(fake_ssh),)) == []
+    layout = ClusterLayout(("nodeA", "nodeB"), 1, main_process_port=free_port(), threads_per_process=1)
+    assert preflight.preflight(layout, tmp_path, ssh=(str(fake_ssh),)) == []
     assert set((tmp_path / "ssh_hosts.log").read_text().split()) == {"nodeA", "nodeB"}
 
 
 def test_config_form_writes_the_files_with_the_parameters_defaults(tmp_path):
-    form = d.config_form(nproc_per_node=3, main_process_port=29999, mixed_precision="no",
+    form = forms.config_form(nproc_per_node=3, main_process_port=29999, mixed_precision="no",
                          config_dir=str(tmp_path / "cfg"))  # fmt: skip
     values = [c.value for c in form.children[:5]]
     assert values == ["", 3, 29999, "no", str(tmp_path / "cfg")]
@@ -404,12 +420,8 @@ def test_config_form_writes_the_files_with_the_parameters_defaults(tmp_path):
 
 
 def test_local_host_detection_knows_this_machines_addresses():
-    assert (
-        d.is_local_host("localhost")
-        and d.is_local_host("127.0.0.1")
-        and d.is_local_host(socket.gethostname())
-    )
-    assert not d.is_local_host("no-such-node.invalid")
+    assert is_local_host("localhost") and is_local_host("127.0.0.1") and is_local_host(socket.gethostname())
+    assert not is_local_host("no-such-node.invalid")
 
 
 @pytest.mark.notebooks

@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from helpers import launch
-from helpers.launching import distributed as d
-from helpers.launching import faults, supervise
+from helpers.core import errors
+from helpers.launching import commands, job, rank_output, supervise
+from helpers.launching.layout import ClusterLayout, free_port
+from helpers.ranks import faults
 from helpers.training import data
 
 # A launcher test script: joins the gloo group through accelerate, then behaves as MODE says.
@@ -77,13 +79,13 @@ def script(tmp_path, monkeypatch) -> Path:
 
 def small_job(
     script: Path, launcher: str, mpirun: str | None = None, nodes: int = 1
-) -> list[d.LaunchCommand]:
+) -> list[commands.LaunchCommand]:
     if nodes == 1:
-        layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
+        layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
     else:
-        layout = d.ClusterLayout(tuple(f"node{k}" for k in range(nodes)), 1, main_process_ip="127.0.0.1",
-                                 main_process_port=d.free_port(), threads_per_process=1)  # fmt: skip
-    return d.launch_commands(
+        layout = ClusterLayout(tuple(f"node{k}" for k in range(nodes)), 1, main_process_ip="127.0.0.1",
+                                 main_process_port=free_port(), threads_per_process=1)  # fmt: skip
+    return commands.launch_commands(
         layout, [], launcher, mpirun=mpirun, entry=[str(script)], log_dir=script.parent / "logs"
     )
 
@@ -96,9 +98,12 @@ def test_diagnose_prefers_the_root_cause_over_peers_and_wrappers():
         ],
         1: ["subprocess.CalledProcessError: Command '['python', 'x.py']' died with <Signals.SIGKILL: 9>."],
     }
-    assert launch.diagnose(errors, {0: 1.0, 1: 2.0}, "") == (1, "the training process was killed by SIGKILL")
+    assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "") == (
+        1,
+        "the training process was killed by SIGKILL",
+    )
     errors[1] = ["RuntimeError: boom"]
-    assert launch.diagnose(errors, {0: 1.0, 1: 2.0}, "") == (1, "RuntimeError: boom")
+    assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "") == (1, "RuntimeError: boom")
 
 
 def test_diagnose_falls_back_to_the_launchers_summary():
@@ -106,17 +111,17 @@ def test_diagnose_falls_back_to_the_launchers_summary():
         "Root Cause (first observed failure):\n[0]:\n  host : localhost\n  rank      : 1 (local_rank: 1)\n"
     )
     torchrun += "  exitcode  : -9 (pid: 9731)  (SIGKILL)\n"
-    assert launch.diagnose({}, {}, torchrun) == (1, "the launcher reports -9 (pid: 9731)  (SIGKILL)")
+    assert rank_output.diagnose({}, {}, torchrun) == (1, "the launcher reports -9 (pid: 9731)  (SIGKILL)")
     ompi = "  Process name: [[18462,1],1]\n  Exit code:    1\n"
-    assert launch.diagnose({}, {}, ompi) == (1, "the launcher reports Exit code:    1")
+    assert rank_output.diagnose({}, {}, ompi) == (1, "the launcher reports Exit code:    1")
     hydra = "=   RANK 1 PID 123 RUNNING AT vm\n=   KILLED BY SIGNAL: 9 (Killed)\n"
-    assert launch.diagnose({}, {}, hydra) == (1, "the launcher reports KILLED BY SIGNAL: 9 (Killed)")
+    assert rank_output.diagnose({}, {}, hydra) == (1, "the launcher reports KILLED BY SIGNAL: 9 (Killed)")
 
 
 def test_output_is_sorted_by_rank_and_only_rank_0_is_streamed():
     stream = io.StringIO()
-    out = launch._Output(stream, None)
-    cmd = d.LaunchCommand(argv=("x",), output_tags="hydra")
+    out = rank_output.Output(stream, None)
+    cmd = commands.LaunchCommand(argv=("x",), output_tags="hydra")
     pieces = [
         ("[1] hello from 1", "\n"),
         ("[0] ", "\r"),  # tqdm: "\r" first, then the bar; Hydra tags the line, not the redraw
@@ -146,16 +151,14 @@ def test_two_ranks_form_one_group_and_a_crash_fails_the_job(script, launcher, mo
     monkeypatch.setenv("MODE", "crash")
     mpirun = None if launcher == "torchrun" else mpirun_for(launcher)
     start, stream = time.monotonic(), io.StringIO()
-    result = launch.run_job(
-        small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun), stream=stream
-    )
+    result = job.run_job(small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun), stream=stream)
     assert time.monotonic() - start < 60
     assert "rank 0 of 2 sum 3 threads 1" in stream.getvalue()  # rank 0 streamed, OMP_NUM_THREADS honoured
     assert "rank 1 of 2" not in stream.getvalue() and any("rank 1 of 2 sum 3" in ln for ln in result.tails[1])
     assert result.returncode != 0 and result.failed_rank == 1
     assert result.error == "RuntimeError: deliberate failure on rank 1"
     assert "rank 1 failed" in result.message()
-    with pytest.raises(launch.JobFailed, match="rank 1 failed.*deliberate failure"):
+    with pytest.raises(job.JobFailed, match="rank 1 failed.*deliberate failure"):
         result.raise_for_failure()
     if launcher == "torchrun":  # torchrun keeps the ranks' output in the log folder it was given
         (run,) = (script.parent / "logs").iterdir()
@@ -179,7 +182,7 @@ def test_killing_a_rank_mid_run_fails_the_job_within_the_bound(script, launcher,
 
     threading.Thread(target=kill_rank_1, daemon=True).start()
     mpirun = None if launcher == "torchrun" else mpirun_for(launcher)
-    result = launch.run_job(small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun),
+    result = job.run_job(small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun),
                             stream=io.StringIO(), timeout=120)  # fmt: skip
     assert killed_at and time.monotonic() - killed_at[0] < 60
     assert result.returncode != 0 and result.failed_rank == 1
@@ -192,7 +195,7 @@ def test_watchdog_stops_a_job_the_launchers_leave_hanging(script, fake_ssh, monk
     node 0's rank sleeps outside any collective. The watchdog ends the job after the grace time."""
     monkeypatch.setenv("MODE", "crash_and_hang")
     start = time.monotonic()
-    result = launch.run_job(small_job(script, "torchrun", nodes=2), stream=io.StringIO(), exit_grace_seconds=3,
+    result = job.run_job(small_job(script, "torchrun", nodes=2), stream=io.StringIO(), exit_grace_seconds=3,
                             ssh=(str(fake_ssh),), timeout=120)  # fmt: skip
     assert time.monotonic() - start < 60
     assert result.killed and result.returncode != 0 and result.failed_rank == 1
@@ -216,10 +219,10 @@ def test_cli_parses_and_dry_runs_a_four_node_layout(tmp_path, capsys, monkeypatc
 
 def test_two_runs_from_one_folder_keep_their_configs_apart(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
+    layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
     for name in ("a", "b"):
         train = ["--train_data_dir", str(data.sample_concept_dir()), "--output_dir", name]
-        (cmd,) = launch.prepare_job(layout, train, "mpirun")
+        (cmd,) = job.prepare_job(layout, train, "mpirun")
         config = tmp_path / name / "launch" / "accelerate_config_node0.yaml"
         assert f"--config_file {config} " in cmd.shell() and config.is_file()
         assert cmd.status_dir == str(tmp_path / name / "launch" / "status")
@@ -256,9 +259,9 @@ def test_cli_rejects_bad_launch_options_before_starting_anything(tmp_path, capsy
         assert capsys.readouterr().err == f"error: {message}\n"
     assert not (tmp_path / "out").exists()  # no config written, so no process started
     with pytest.raises(
-        d.DistributedError, match=r"^stall_seconds=-3: must be more than 0 seconds; pass e\.g\. 900"
+        errors.DistributedError, match=r"^stall_seconds=-3: must be more than 0 seconds; pass e\.g\. 900"
     ):
-        launch.run_job([d.LaunchCommand(argv=("false",))], stall_seconds=-3)
+        job.run_job([commands.LaunchCommand(argv=("false",))], stall_seconds=-3)
 
 
 # --- the engine across processes ----------------------------------------------------------------------
@@ -310,9 +313,9 @@ def engine_runs(tmp_path_factory) -> dict[str, Path]:
     for name, launcher, accumulation in [("mpirun", "mpirun", 1), ("torchrun", "torchrun", 1), ("ray", "ray", 1),
                                          ("mpirun_accumulated", "mpirun", 2)]:  # fmt: skip
         out = root / name
-        layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
-        commands = launch.prepare_job(layout, train_args(out, accumulation=accumulation), launcher)
-        launch.run_job(commands, stream=io.StringIO(), cwd=root, timeout=600).raise_for_failure()
+        layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
+        commands = job.prepare_job(layout, train_args(out, accumulation=accumulation), launcher)
+        job.run_job(commands, stream=io.StringIO(), cwd=root, timeout=600).raise_for_failure()
         runs[name] = out
     for name, batch in [("single", 2), ("single_batch_4", 4), ("half", 1)]:
         single = subprocess.run([sys.executable, "-m", "helpers.train", *train_args(root / name, batch=batch)],
@@ -462,11 +465,11 @@ def test_a_rank_that_hangs_after_training_is_stopped_after_the_exit_grace(tmp_pa
     rank 0 within grace + 15 s of rank 1's exit, names it, and exits 0: the outputs are complete."""
     monkeypatch.setenv(faults.HANG_RANK, "0")
     out = tmp_path / "out"
-    layout = d.ClusterLayout.local(2, main_process_port=d.free_port(), threads_per_process=1)
-    commands = launch.prepare_job(layout, train_args(out), launcher)
+    layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
+    commands = job.prepare_job(layout, train_args(out), launcher)
     exited: list[float] = []
     threading.Thread(target=watch_exit, args=(Path(commands[0].status_dir), 1, exited), daemon=True).start()
-    result = launch.run_job(commands, stream=io.StringIO(), exit_grace_seconds=5, cwd=tmp_path, timeout=900)
+    result = job.run_job(commands, stream=io.StringIO(), exit_grace_seconds=5, cwd=tmp_path, timeout=900)
     assert exited and time.monotonic() - exited[0] <= 5 + 15
     assert result.returncode == 0 and result.killed and result.not_ended == [0] and result.outputs_complete
     first, second, *tail = result.message().splitlines()
@@ -530,7 +533,7 @@ def test_no_rank_outlives_its_launcher_however_it_ends(tmp_path, launcher, sig):
     is gone within a few seconds, and the run is not marked finished (no ``run_summary.json``)."""
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "helpers.launch", "--launcher", launcher, "--nproc_per_node", "2",
-            "--threads_per_process", "1", "--main_process_port", str(d.free_port()), "--",
+            "--threads_per_process", "1", "--main_process_port", str(free_port()), "--",
             *train_args(out, steps=100_000)]  # fmt: skip
     # Rank 0 goes silent after step 2 (rank 1 then waits in the all-reduce): no output reaches
     # the launcher's pipes, so nothing but the launcher's lock can tell the ranks it is gone.

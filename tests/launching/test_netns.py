@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.launching import distributed
+from helpers.launching import layout
 from helpers.training import data
 
 pytestmark = pytest.mark.slow
@@ -157,7 +157,7 @@ def _launch(
     argv = [
         sys.executable, "-m", "helpers.launch", "--launcher", launcher, "--hostfile", str(root / "hostfile"),
         "--nproc_per_node", "1", "--threads_per_process", "1", "--network_interface", "data0",
-        "--main_process_ip", HOSTS["hostA"][1], "--main_process_port", str(distributed.free_port()),
+        "--main_process_ip", HOSTS["hostA"][1], "--main_process_port", str(layout.free_port()),
         "--exit_grace_seconds", "30", *extra, "--",
         "--pretrained_model_name_or_path", "tiny", "--train_data_dir", str(data.sample_concept_dir()),
         "--placeholder_token", "<dicoo>", "--initializer_token", "toy", "--resolution", "64",

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_launch import (
+from launching.test_launch import (
     SPLIT_ATOL,
     SPLIT_LOSS_REL,
     history_losses,
@@ -28,9 +28,10 @@ from test_launch import (
 )  # tests/ is on sys.path under pytest
 
 from helpers import launch
-from helpers.launching import distributed as d
-from helpers.launching import faults, supervise
+from helpers.launching import commands, job, preflight, rank_output, supervise
 from helpers.launching import ray_train as ray_launch
+from helpers.launching.layout import ClusterLayout, free_port
+from helpers.ranks import faults, status
 
 RAY_PROCESSES = ("raylet", "gcs_server")
 
@@ -72,13 +73,13 @@ def run_cli(*flags: str, out: Path, train: list[str] | None = None, timeout: flo
 
 def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
     stream, log = io.StringIO(), io.StringIO()
-    out = launch._Output(stream, log)
-    cmd = d.LaunchCommand(argv=("x",), output_tags="ray")
+    out = rank_output.Output(stream, log)
+    cmd = commands.LaunchCommand(argv=("x",), output_tags="ray")
     pieces = [
         ("helpers.launching.ray_train: Ray 2.60.0 started on this machine in 9.0 s", "\n"),
         ("(TrainController pid=11) Attempting to start training worker group of size 2", "\n"),
-        (f"(RayTrainWorker pid=22) {ray_launch.WORKER_TAG} rank 1 of 2, pid 22, node 10.0.0.5 (b)", "\n"),
-        (f"(RayTrainWorker pid=33, ip=10.0.0.4) {ray_launch.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)", "\n"),
+        (f"(RayTrainWorker pid=22) {rank_output.WORKER_TAG} rank 1 of 2, pid 22, node 10.0.0.5 (b)", "\n"),
+        (f"(RayTrainWorker pid=33, ip=10.0.0.4) {rank_output.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)", "\n"),
         ("(RayTrainWorker pid=33, ip=10.0.0.4) precision: fp32 requested", "\n"),
         ("", "\r"),
         ("bar 50%(RayTrainWorker pid=22) Traceback (most recent call last):", "\n"),  # right after a redraw
@@ -90,7 +91,7 @@ def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
         out.feed(0, cmd, text, end)
     assert stream.getvalue() == (
         "helpers.launching.ray_train: Ray 2.60.0 started on this machine in 9.0 s\n"
-        f"{ray_launch.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)\nprecision: fp32 requested\n"
+        f"{rank_output.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)\nprecision: fp32 requested\n"
         "\rbar 50%\r"  # rank 1's line is not shown: the bar goes on redrawing in place
         "bar 60%\nlearned embeddings: out\n"
     )
@@ -102,24 +103,24 @@ def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
 
 
 def test_the_drivers_input_error_is_the_jobs_one_message():
-    out = launch._Output(io.StringIO(), None)
-    cmd = d.LaunchCommand(argv=("x",), output_tags="ray")
+    out = rank_output.Output(io.StringIO(), None)
+    cmd = commands.LaunchCommand(argv=("x",), output_tags="ray")
     out.feed(0, cmd, "error: --ray_address auto: no Ray cluster runs on this machine", "\n")
     assert (
         out.stream.getvalue() == ""
         and out.input_error == "--ray_address auto: no Ray cluster runs on this machine"
     )
-    result = launch.JobResult(2, 3.0, input_error=out.input_error)
+    result = job.JobResult(2, 3.0, input_error=out.input_error)
     assert result.message() == "--ray_address auto: no Ray cluster runs on this machine"
 
 
 def test_diagnose_names_the_worker_the_driver_reports_first():
     text = (
-        f"{ray_launch.FAILED_TAG} rank 1 failed on node b (pid 22): WorkerHealthCheckFailedError: A worker health "
-        f"check failed.\n{ray_launch.FAILED_TAG} rank 0 failed on node a (pid 33): RuntimeError: Connection reset by peer"
+        f"{rank_output.FAILED_TAG} rank 1 failed on node b (pid 22): WorkerHealthCheckFailedError: A worker health "
+        f"check failed.\n{rank_output.FAILED_TAG} rank 0 failed on node a (pid 33): RuntimeError: Connection reset by peer"
     )
     errors = {0: ["RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"]}
-    assert launch.diagnose(errors, {0: 1.0}, text) == (
+    assert rank_output.diagnose(errors, {0: 1.0}, text) == (
         1, "the launcher reports failed on node b (pid 22): WorkerHealthCheckFailedError: A worker health check failed."
     )  # fmt: skip
 
@@ -136,21 +137,21 @@ def test_the_bar_reader_keeps_the_loss_and_drops_the_redraws():
 
 
 def test_supervise_listeners_see_every_beat_and_finish_reads_as_an_exit(tmp_path, monkeypatch):
-    monkeypatch.setenv(supervise.STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(status.STATUS_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.setattr(supervise, "_reporter", None)
+    monkeypatch.setattr(status, "_reporter", None)
     seen = []
-    supervise.add_listener(lambda state, step: seen.append((state, step)))
+    status.add_listener(lambda state, step: seen.append((state, step)))
     try:
-        supervise.start()
-        supervise.beat("training", 5)
+        status.start()
+        status.beat("training", 5)
         watcher = supervise.Watcher(tmp_path)
         assert watcher.poll(0.0)[3].alive
-        supervise.finish()
+        status.finish()
         assert not watcher.poll(1.0)[3].alive and watcher.first_exit() == (3, 1.0)
-        supervise.beat("training", 6)  # after finish: listeners only, no status written
+        status.beat("training", 6)  # after finish: listeners only, no status written
     finally:
-        supervise._listeners.clear()
+        status._listeners.clear()
     assert seen == [("started", None), ("training", 5), ("training", 6)]
     assert json.loads((tmp_path / "rank3.json").read_text())["step"] == 5
 
@@ -184,7 +185,7 @@ def test_bad_ray_options_are_one_line_before_anything_starts(tmp_path, capsys, m
 
 
 def test_an_address_where_nothing_listens_is_refused_within_seconds(tmp_path, capsys):
-    port = d.free_port()
+    port = free_port()
     start = time.monotonic()
     args = launch.parse_args(
         ["--launcher", "ray", "--ray_address", f"127.0.0.1:{port}", "--", *train_args(tmp_path / "o")]
@@ -255,8 +256,8 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
     no raylet or gcs_server survives."""
     before, dirs = ray_processes(), ray_temp_dirs()
     out = tmp_path / "out"
-    layout = d.ClusterLayout.local(2, threads_per_process=1)
-    commands = launch.prepare_job(layout, train_args(out, steps=100_000), "ray")
+    layout = ClusterLayout.local(2, threads_per_process=1)
+    commands = job.prepare_job(layout, train_args(out, steps=100_000), "ray")
     status = Path(commands[0].status_dir)
     killed = []
 
@@ -274,7 +275,7 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
             time.sleep(0.2)
 
     threading.Thread(target=kill_rank_1, daemon=True).start()
-    result = launch.run_job(commands, stream=io.StringIO(), cwd=tmp_path, timeout=600)
+    result = job.run_job(commands, stream=io.StringIO(), cwd=tmp_path, timeout=600)
     assert killed, "rank 1 never started training"
     assert time.monotonic() - killed[0][0] < 60
     assert result.returncode == 1 and result.failed_rank == 1
@@ -283,7 +284,7 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
     first, *rest = result.message().splitlines()
     assert first.startswith("rank 1 failed (exit code 1, after ")
     assert rest[0] == "last lines of rank 1:"
-    assert any(line.startswith(f"  {ray_launch.WORKER_TAG} rank 1 of 2, pid {pid}") for line in rest[1:])
+    assert any(line.startswith(f"  {rank_output.WORKER_TAG} rank 1 of 2, pid {pid}") for line in rest[1:])
     assert not (out / "run_summary.json").exists()
     assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]
     assert ray_processes() <= before and ray_temp_dirs() <= dirs
@@ -334,9 +335,9 @@ def test_a_rank_that_hangs_after_training_is_stopped_after_the_grace(tmp_path, m
     token = Path.home() / ".ray" / "auth_token"
     had_token = token.exists()
     out = tmp_path / "out"
-    layout = d.ClusterLayout.local(2, threads_per_process=1)
-    commands = launch.prepare_job(layout, train_args(out), "ray")
-    result = launch.run_job(commands, stream=io.StringIO(), exit_grace_seconds=5, cwd=tmp_path, timeout=600)
+    layout = ClusterLayout.local(2, threads_per_process=1)
+    commands = job.prepare_job(layout, train_args(out), "ray")
+    result = job.run_job(commands, stream=io.StringIO(), exit_grace_seconds=5, cwd=tmp_path, timeout=600)
     assert result.returncode == 0 and result.killed and result.not_ended == [0] and result.outputs_complete
     assert result.message().splitlines()[0] == (
         "rank 0 did not end within 5 s of rank 1 exiting; helpers.launch stopped it. "
@@ -363,7 +364,7 @@ def two_node_cluster(tmp_path_factory):
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": secrets.token_hex(16),
     }
-    port = d.free_port()
+    port = free_port()
     head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
                              "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -556,9 +557,9 @@ def test_preflight_names_a_node_with_another_ray(tmp_path):
         f'host=$1; shift\n[ "$host" = node1 ] && export PYTHONPATH={tmp_path / "site"}\nexec sh -c "$*"\n'
     )
     ssh.chmod(0o755)
-    layout = d.ClusterLayout(("node0", "node1"), 1, main_process_ip="127.0.0.1", main_process_port=d.free_port(),
+    layout = ClusterLayout(("node0", "node1"), 1, main_process_ip="127.0.0.1", main_process_port=free_port(),
                              threads_per_process=1)  # fmt: skip
-    problems = d.preflight(layout, data.sample_concept_dir(), ssh=(str(ssh),))
+    problems = preflight.preflight(layout, data.sample_concept_dir(), ssh=(str(ssh),))
     assert [(p.host, p.check, p.detail) for p in problems] == [
         ("node1", "packages", f"ray 2.59.0, here {ray_launch.ray_version()}")
     ]

@@ -8,18 +8,19 @@ import sys
 import time
 
 from helpers.launching import supervise
+from helpers.ranks import status
 
 RANK = """
-from helpers.launching import supervise
+from helpers.ranks import status
 import sys, time
-supervise.start()
-supervise.beat(sys.argv[1], 7)
+status.start()
+status.beat(sys.argv[1], 7)
 time.sleep(60)
 """
 
 
 def start_rank(folder, rank: int, state: str) -> subprocess.Popen:
-    env = dict(os.environ, RANK=str(rank), **{supervise.STATUS_DIR_ENV: str(folder)})
+    env = dict(os.environ, RANK=str(rank), **{status.STATUS_DIR_ENV: str(folder)})
     proc = subprocess.Popen([sys.executable, "-c", RANK, state], env=env)
     deadline = time.monotonic() + 60
     while (
@@ -33,13 +34,13 @@ def start_rank(folder, rank: int, state: str) -> subprocess.Popen:
 
 def test_watcher_sees_exit_stall_and_waiting_ranks(tmp_path):
     folder = supervise.prepare(tmp_path / "status")
-    ranks = {0: start_rank(folder, 0, "training"), 1: start_rank(folder, 1, supervise.WAITING)}
+    ranks = {0: start_rank(folder, 0, "training"), 1: start_rank(folder, 1, status.WAITING)}
     try:
         watcher = supervise.Watcher(folder)
         watcher.poll(now=100.0)
         assert watcher.running() == [0, 1] and watcher.first_exit() is None
-        status = watcher.ranks[0].status
-        assert (status["rank"], status["pid"], status["state"], status["step"]) == (
+        report = watcher.ranks[0].status
+        assert (report["rank"], report["pid"], report["state"], report["step"]) == (
             0,
             ranks[0].pid,
             "training",

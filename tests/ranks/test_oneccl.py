@@ -1,4 +1,4 @@
-"""The ``ccl`` backend of helpers.launching.oneccl in real processes, checked against gloo.
+"""The ``ccl`` backend of helpers.ranks.oneccl in real processes, checked against gloo.
 
 Every collective runs on 2 and 3 processes (a TCPStore on 127.0.0.1, oneCCL over shared memory as
 :func:`oneccl.environment` sets it for one node) and is compared with gloo on the same tensors in
@@ -122,7 +122,7 @@ def _rank_main(spec: dict) -> int:
     import torch
     import torch.distributed as dist
 
-    from helpers.launching import oneccl
+    from helpers.ranks import oneccl
 
     torch.set_num_threads(1)
     rank, world = spec["rank"], spec["world"]
@@ -166,7 +166,7 @@ def _rank_main(spec: dict) -> int:
 
 @pytest.fixture(scope="module")
 def ccl_built():
-    from helpers.launching import oneccl
+    from helpers.ranks import oneccl
 
     try:
         oneccl.build()
@@ -182,7 +182,7 @@ def _free_port() -> int:
 
 def _run_ranks(ranks: list[int], world: int, mode: str, timeout: float) -> dict[int, dict]:
     """Start the given ranks, wait at most HARD_LIMIT; each rank's RESULT, return code and output."""
-    from helpers.launching import oneccl
+    from helpers.ranks import oneccl
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.update({name: value for name, value, _ in oneccl.environment(world, 1, os.cpu_count() or 1, 1)})
@@ -222,7 +222,7 @@ def test_collectives_match_gloo(ccl_built, world):
     results = _run_ranks(list(range(world)), world, "compare", timeout=60.0)
     for r, res in results.items():
         assert res["returncode"] == 0, f"rank {r} failed:\n{res['output']}"
-        assert res["provider"] == "helpers.launching.oneccl"
+        assert res["provider"] == "helpers.ranks.oneccl"
         assert res["checks"] > 60
         assert res["failures"] == [], f"rank {r}: {res['failures']}"
 
@@ -246,7 +246,7 @@ def test_a_killed_rank_makes_the_survivor_fail_within_the_timeout(ccl_built):
 
 
 def test_environment_chooses_the_transport():
-    from helpers.launching import oneccl
+    from helpers.ranks import oneccl
 
     one = {n: v for n, v, _ in oneccl.environment(2, 1, 2, 1)}
     assert one["CCL_ATL_TRANSPORT"] == "ofi"
@@ -260,7 +260,7 @@ def test_environment_chooses_the_transport():
 
 def test_build_command_prints_one_line(ccl_built):
     done = subprocess.run(
-        [sys.executable, "-m", "helpers.launching.oneccl", "build"],
+        [sys.executable, "-m", "helpers.ranks.oneccl", "build"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -8,7 +8,8 @@ import shlex
 
 import pytest
 
-from helpers.training import config as config_module
+from helpers.dreambooth.config import DreamBoothConfig
+from helpers.training import schema
 from helpers.training.config import ConfigError, TrainConfig, parse_args
 
 # The command line of the original guides (Intel's textual-inversion recipe), program name removed.
@@ -87,13 +88,14 @@ def test_all_problems_reported_at_once_on_one_line():
     )
 
 
-def test_every_field_has_a_type_the_schema_knows():
-    for f in dataclasses.fields(TrainConfig):
-        kind, _ = config_module._kind(f)
-        assert kind in config_module._TYPES, f.name
+@pytest.mark.parametrize("cls", [TrainConfig, DreamBoothConfig])
+def test_every_field_has_a_type_the_schema_knows(cls):
+    for f in dataclasses.fields(cls):
+        kind, _ = schema.kind_of(f)
+        assert kind in schema._TYPES, f.name
         assert set(f.metadata) <= {"help", "choices", "gt", "ge", "lt", "le", "multiple_of", "one_word",
-                                   "not_blank", "hint"}, f.name  # fmt: skip
-        value, problem = config_module._check_field(f, f.default)
+                                   "not_blank", "hint", "usual"}, f.name  # fmt: skip
+        value, problem = schema.check_field(f, f.default)
         assert problem is None and value == f.default, f.name  # every default passes its own rules
 
 
@@ -238,7 +240,7 @@ def test_unwritable_output_dir_is_refused_by_the_command_line(tmp_path, monkeypa
     (tmp_path / "ro").mkdir()
     real_access = os.access
     monkeypatch.setattr(
-        config_module.os,
+        schema.os,
         "access",
         lambda p, mode: False if str(p) == str(tmp_path / "ro") else real_access(p, mode),
     )
@@ -277,7 +279,8 @@ def test_bad_command_line_values_are_config_errors_listing_all(tmp_path):
     assert str(err.value) == (
         "command line: invalid training settings: resolution='abc': expected a whole number, e.g. 512; "
         "adam_beta1='1.5': must be at least 0 and less than 1 (e.g. 0.9); "
-        "mixed_precision='fp16': must be one of auto, no, bf16"
+        "mixed_precision='fp16': must be one of auto, no, bf16 (fp16 is a GPU format: on a CPU use auto, "
+        "which picks bf16 where it is native)"
     )
 
 
@@ -293,3 +296,69 @@ def test_unknown_flag_and_unknown_yaml_key(tmp_path, capsys):
 
 def test_local_rank_from_old_launchers_is_accepted():
     assert parse_args(["--local_rank", "0", "--max_train_steps", "3"]).max_train_steps == 3
+
+
+# --- the one schema of both trainers --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "values"),
+    [
+        (TrainConfig, {}),
+        (DreamBoothConfig, {"instance_data_dir": "d", "instance_prompt": "a photo of sks toy"}),
+    ],
+    ids=["textual inversion", "dreambooth"],
+)
+@pytest.mark.parametrize(
+    ("setting", "value", "problem"),
+    [
+        ("adam_beta2", "1", "adam_beta2='1': must be at least 0 and less than 1 (e.g. 0.999)"),
+        ("learning_rate", "inf", "learning_rate='inf': must be a finite number"),
+        ("learning_rate", "nan", "learning_rate='nan': must be a finite number"),
+        ("resolution", "60", "resolution='60': must be a multiple of 8"),
+        ("seed", "-1", "seed='-1': must be at least 0"),
+        ("mixed_precision", "fp16", "must be one of auto, no, bf16 (fp16 is a GPU format: on a CPU use auto"),
+        ("max_train_steps", "0", "max_train_steps='0': must be at least 1"),
+        ("train_batch_size", "two", "train_batch_size='two': expected a whole number, e.g. 1"),
+    ],
+)
+def test_both_trainers_apply_the_same_rules(cls, values, setting, value, problem):
+    """Issue 39: DreamBooth's settings had their own checks and had drifted (``--adam_beta2 1`` was a
+    traceback after the models loaded). Both now go through one schema: the same value, the same line."""
+    with pytest.raises(cls.error) as err:
+        cls(**values, **{setting: value})
+    assert problem in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dreambooth_yaml_gets_the_schemas_coercions(tmp_path):
+    """A bare ``yaml.safe_load`` read ``learning_rate: 5e-4`` as text; now it is 0.0005, as for TI."""
+    from helpers.dreambooth.config import parse_args as parse_dreambooth
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        'instance_data_dir: d\ninstance_prompt: a photo of sks toy\nlearning_rate: 5e-4\nrank: "8"\n'
+    )
+    config = parse_dreambooth(["--config", str(path), "--output_dir", str(tmp_path / "out")])
+    assert (config.learning_rate, config.rank) == (0.0005, 8)
+    assert parse_dreambooth(config.to_args()) == config
+
+
+@pytest.mark.parametrize(
+    ("cls", "values", "usual"),
+    [(TrainConfig, {}, "0.0001 to 0.005"), (DreamBoothConfig, {"instance_data_dir": "d", "instance_prompt": "a toy"},
+                                           "1e-05 to 0.001")],
+    ids=["textual inversion", "dreambooth"],
+)  # fmt: skip
+def test_a_learning_rate_far_outside_the_useful_range_warns_once(cls, values, usual, recwarn):
+    """Issue 37: ``--learning_rate 1e6`` trained to 1e18-sized embeddings without a word."""
+    cls(**values, learning_rate=1e-3)
+    cls(**values, learning_rate=2e-2)
+    assert [w for w in recwarn if issubclass(w.category, schema.SettingWarning)] == []  # usual, or near it
+    for _ in range(3):
+        config = cls(**values, learning_rate="1e6")
+        config.replace(seed=1)
+    warned = [str(w.message) for w in recwarn if issubclass(w.category, schema.SettingWarning)]
+    assert warned == [
+        f"learning_rate=1e+06 is far outside the usual range {usual}: training will likely diverge or destroy "
+        "what it learns. Fix: pass --learning_rate within that range unless you mean it."
+    ]

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tiny_parts import tiny_config  # tests/ is on sys.path under pytest
 
 from helpers.core import cpu
-from helpers.launching import supervise
+from helpers.ranks import status
 from helpers.training import data, models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import parse_args
@@ -68,11 +68,11 @@ def _run(tmp_path, name, vae: VaeCounter, **overrides):
         if state == "training":
             alive_while_training.append(vae.alive())
 
-    supervise.add_listener(listener)
+    status.add_listener(listener)
     try:
         result = ti.train(tiny_config(tmp_path, name, **overrides))
     finally:
-        supervise.remove_listener(listener)
+        status.remove_listener(listener)
     assert alive_while_training == [0] * 6  # no VAE in memory at any step
     embeds = load_file(result.learned_embeds_path)["<dicoo>"]
     return embeds, [h["loss"] for h in result.history], result.summary["startup"]

@@ -4,7 +4,7 @@ Intel's ``oneccl_bindings_for_pytorch`` registers ``ccl`` but is not installable
 This package compiles its own small backend instead (``process_group_ccl.cpp``, a ``c10d::Backend``
 over oneCCL's C++ API from the ``oneccl-cpu`` / ``oneccl-cpu-devel`` wheels) and registers it::
 
-    from helpers.launching import oneccl
+    from helpers.ranks import oneccl
 
     ok, reason = oneccl.available()  # (False, "... run `make setup`") when it cannot be used
     oneccl.load()  # registers "ccl" with torch.distributed (idempotent)
@@ -15,7 +15,7 @@ Where the official ``oneccl_bindings_for_pytorch`` imports, :func:`load` imports
 ``ccl`` backend instead of building ours (it ships its own oneCCL and libfabric, so
 :func:`environment` then leaves the libfabric pins out).
 
-``make setup`` runs ``python -m helpers.launching.oneccl build``: the extension goes into
+``make setup`` runs ``python -m helpers.ranks.oneccl build``: the extension goes into
 ``<venv>/share/workshop-ccl/<hash>/`` (``make distclean`` removes it), the hash covering the C++
 source, torch's version and oneCCL's version, so any of them changing builds afresh (~45 s).
 """
@@ -259,7 +259,7 @@ def load(build_if_missing: bool = False) -> str:
     ``FI_PROVIDER_PATH`` to impi-rt's libfabric when they are unset (else Debian's libfabric may load).
 
     Returns:
-        Which implementation provides ``ccl``: ``"oneccl_bindings_for_pytorch"`` or ``"helpers.launching.oneccl"``.
+        Which implementation provides ``ccl``: ``"oneccl_bindings_for_pytorch"`` or ``"helpers.ranks.oneccl"``.
 
     Raises:
         CclUnavailable: neither can be used (the message says why and how to fix it).

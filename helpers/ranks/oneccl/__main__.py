@@ -1,4 +1,4 @@
-"""``python -m helpers.launching.oneccl build``: compile the ``ccl`` backend (what ``make setup`` runs).
+"""``python -m helpers.ranks.oneccl build``: compile the ``ccl`` backend (what ``make setup`` runs).
 
 Prints one line. Exit status 0 when built (or already built), 2 when oneCCL is not installed,
 1 when the build failed.
@@ -10,12 +10,12 @@ import argparse
 import sys
 import time
 
-from helpers.launching import oneccl
+from helpers.ranks import oneccl
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m helpers.launching.oneccl", description=__doc__.split("\n")[0]
+        prog="python -m helpers.ranks.oneccl", description=__doc__.split("\n")[0]
     )
     parser.add_argument("command", choices=["build"], help="build: compile the extension into the venv")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")

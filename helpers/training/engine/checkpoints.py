@@ -1,4 +1,5 @@
-"""Resumable checkpoints: ``output_dir/checkpoints/checkpoint-N`` (accelerate's state and the learned rows)."""
+"""Resumable checkpoints: ``output_dir/checkpoints/checkpoint-N`` (accelerate's state, what the run
+learns and its settings), for both trainers: save, rotate, find, check."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from helpers.core import files
 from helpers.core.errors import one_line
-from helpers.core.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, TRAIN_CONFIG
+from helpers.core.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, TRAIN_CONFIG
 from helpers.training.engine import TrainingInputError
-from helpers.training.engine.saving import save_learned_embeds, write_json
+from helpers.training.engine.saving import storage_errors, write_json
 
 _NAME = re.compile(r"checkpoint-(\d+)")
 _STATE_FILE = "random_states_0.pkl"  # accelerate's save_state writes it for rank 0, whatever was prepared
@@ -91,39 +91,49 @@ def load_state(accelerator, ckpt: Path) -> None:
 
 
 def save_checkpoint(
-    accelerator, config, output_dir: Path, step: int, vectors: torch.Tensor, history: list[dict]
+    accelerator,
+    config,
+    output_dir: Path,
+    step: int,
+    history: list[dict],
+    write_weights: Callable[[Path], object],
+    config_file: str = TRAIN_CONFIG,
 ) -> Path:
     """Save a resumable checkpoint ``checkpoint-{step}``, then prune the oldest beyond the limit.
 
     Complete or absent: every process writes accelerate's state into ``.checkpoint-{step}.tmp`` (a
-    name all processes know); once all are done the main process adds the learned rows and the
-    run's settings, records the history so far (``history.json.partial``) and swaps the folder in
+    name all processes know); once all are done the main process adds what the run learns and
+    its settings, records the history so far (``history.json.partial``) and swaps the folder in
     (:func:`helpers.core.files.move_dir_into_place`). Only then are old checkpoints removed, each
-    renamed aside first, so a crash at any moment leaves every checkpoint name whole.
+    renamed aside first, so a crash at any moment leaves every checkpoint name whole. A full disk
+    or an I/O error removes the temporary and is one :class:`~helpers.training.engine.saving.StorageError`.
 
     Args:
         accelerator: the run's accelerator (its prepared objects are saved).
-        config: the settings (``placeholder_token``, ``checkpoints_total_limit``; saved with ``to_yaml``).
+        config: the settings (``checkpoints_total_limit``; saved with ``to_yaml``).
         output_dir: the run's folder.
         step: the step just completed.
-        vectors: the learned rows.
         history: the records so far.
+        write_weights: writes what the run learns into the folder it is given.
+        config_file: the name of the settings' YAML in the checkpoint.
     """
     root = Path(output_dir) / CHECKPOINTS
     final = root / f"checkpoint-{step}"
     tmp = root / f".{final.name}.tmp"
-    if accelerator.is_main_process:
+    main = accelerator.is_main_process
+    if main:
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed attempt left
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    with storage_errors(final, f"checkpoint {final.name}", discard=tmp if main else None):
+        accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every rank's random states are in before the swap
-    if accelerator.is_main_process:
-        save_learned_embeds(tmp / LEARNED_EMBEDS, config.placeholder_token, vectors)
-        if hasattr(config, "to_yaml"):
-            config.to_yaml(tmp / TRAIN_CONFIG)
-        write_json(Path(output_dir) / HISTORY_PARTIAL, history)
-        files.move_dir_into_place(tmp, final)
+    if main:
+        with storage_errors(final, f"checkpoint {final.name}", discard=tmp):
+            write_weights(tmp)
+            config.to_yaml(tmp / config_file)
+            write_json(Path(output_dir) / HISTORY_PARTIAL, history)
+            files.move_dir_into_place(tmp, final)
         prune_checkpoints(output_dir, keep=final, limit=config.checkpoints_total_limit)
     accelerator.wait_for_everyone()
     return final
@@ -145,6 +155,26 @@ def prune_checkpoints(output_dir: Path, keep: Path, limit: int | None) -> list[P
         os.rename(old, aside)
         shutil.rmtree(aside)
     return doomed
+
+
+def check_not_past_the_end(ckpt: Path, max_steps: int) -> None:
+    """Refuse to resume a checkpoint saved after the run's last step.
+
+    A checkpoint at the last step is fine (the run writes its outputs without training); one past
+    it holds weights trained longer than this run may train, so it is refused rather than reported
+    as a shorter run.
+
+    Raises:
+        TrainingInputError: with the two fixes.
+    """
+    step = checkpoint_step(ckpt)
+    if step > max_steps:
+        earlier = [p.name for p in list_checkpoints(ckpt.parent.parent) if checkpoint_step(p) <= max_steps]
+        raise TrainingInputError(
+            f"resume_from_checkpoint {ckpt} was saved at step {step}, after this run's last step "
+            f"(max_train_steps={max_steps}). Fix: pass --max_train_steps {step} or more to continue from it"
+            + (f", or resume an earlier checkpoint ({', '.join(earlier)})." if earlier else ".")
+        )
 
 
 def load_history(output_dir: Path, upto_step: int) -> list[dict]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import secrets
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,11 +19,80 @@ from safetensors.torch import save_file
 
 from helpers.core import files
 from helpers.core.outputs import MODEL_INDEX, PIPELINE_PARTS
-from helpers.launching import supervise
+from helpers.ranks import status
+from helpers.training.engine import TrainingInputError
 from helpers.training.engine.rows import write_rows
 
 if TYPE_CHECKING:
     from helpers.training.engine.setup import Run
+
+
+class StorageError(TrainingInputError):
+    """Saving failed because the disk is full or failing: one line naming the path and the free space."""
+
+
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS}
+# How the writers report a full disk when they do not raise OSError: safetensors' SafetensorError
+# ("... (os error 28)") and torch.save's RuntimeError ("[enforce fail at inline_container.cc:...]",
+# "PytorchStreamWriter failed writing file ...").
+_STORAGE_TEXTS = (
+    "os error 28",
+    "os error 122",
+    "os error 5)",
+    "no space left",
+    "inline_container",
+    "streamwriter failed",
+)
+
+
+def is_storage_error(err: BaseException) -> bool:
+    """Whether ``err`` says the disk is full or failing (rather than that the code is wrong)."""
+    if isinstance(err, OSError) and err.errno in _STORAGE_ERRNOS:
+        return True
+    text = str(err).lower()
+    return not isinstance(err, OSError) and any(t in text for t in _STORAGE_TEXTS)
+
+
+def free_space(path: str | os.PathLike) -> str:
+    """The free space of the disk holding ``path`` (or its nearest existing parent), e.g. ``"1.2 GiB"``."""
+    path = Path(path).absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    free = float(shutil.disk_usage(existing).free)
+    for unit in ("bytes", "KiB", "MiB"):
+        if free < 1024:
+            return f"{free:.0f} {unit}" if unit == "bytes" else f"{free:.1f} {unit}"
+        free /= 1024
+    return f"{free:.1f} GiB"
+
+
+@contextlib.contextmanager
+def storage_errors(
+    path: str | os.PathLike, what: str, discard: str | os.PathLike | None = None
+) -> Iterator[None]:
+    """Turn a full disk or an I/O error while writing ``what`` to ``path`` into one :class:`StorageError`.
+
+    Args:
+        path: what was being written (named in the message with its disk's free space).
+        what: its name in words, e.g. ``"checkpoint checkpoint-2"``.
+        discard: a temporary to remove on any error, so nothing half-written stays.
+    """
+    try:
+        yield
+    except BaseException as err:
+        if discard is not None:
+            shutil.rmtree(discard, ignore_errors=True)
+        if not is_storage_error(err):
+            raise
+        reason = (
+            os.strerror(err.errno)
+            if isinstance(err, OSError) and err.errno
+            else str(err).splitlines()[0][:120]
+        )
+        raise StorageError(
+            f"saving {what} to {path} failed: {reason}; {free_space(path)} free on that disk. Fix: free "
+            f"space there (or choose an output_dir on another disk), then resume with "
+            f"--resume_from_checkpoint latest (the last complete checkpoint is kept)."
+        ) from None
 
 
 def save_learned_embeds(path: str | os.PathLike, placeholder_token: str, vectors: torch.Tensor) -> Path:
@@ -89,7 +161,7 @@ def save_samples(run: Run, dest: Path) -> list[Path]:
 
 def _beat(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
     """Sampling can outlast helpers.launch's stall limit: each denoising step counts as progress."""
-    supervise.beat("validating", step)
+    status.beat("validating", step)
     return callback_kwargs
 
 
@@ -153,7 +225,7 @@ class PipelineCopy:
                     f"copying the base model's {' and '.join(self.parts)} into {self.folder} took over "
                     f"{limit:.0f} s; check that disk, or train without --save_as_full_pipeline"
                 )
-            supervise.beat("saving")  # a slow disk is progress for helpers.launch, not a stall
+            status.beat("saving")  # a slow disk is progress for helpers.launch, not a stall
             self._thread.join(timeout=5.0)
         if self._error is not None:
             raise self._error

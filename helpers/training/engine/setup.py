@@ -14,7 +14,7 @@ from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
 
 from helpers.core import cpu
-from helpers.launching import distributed, supervise
+from helpers.ranks import backend, status
 from helpers.training import data, models
 from helpers.training.config import TrainConfig
 from helpers.training.engine import attention, latents, prepack
@@ -83,9 +83,9 @@ def make_accelerator(precision: cpu.PrecisionChoice, gradient_accumulation_steps
     process (a notebook kernel that trains twice, a test session) asks for that, for example bf16
     chosen by ``auto`` and then ``no``. Without a process group there is nothing in that state to
     keep, so it is cleared first; in a multi-process job (process group up) it is left alone.
-    The process group's backend is the one the launcher chose (:func:`helpers.launching.distributed.init_backend`).
+    The process group's backend is the one the launcher chose (:func:`helpers.ranks.backend.init_backend`).
     """
-    distributed.init_backend()
+    backend.init_backend()
     if not torch.distributed.is_initialized():
         AcceleratorState._reset_state(reset_partial_state=True)  # public API has no other way
         GradientState._reset_state()
@@ -143,7 +143,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     cached = latents.cached_latents(cache_dir, model_dir, dataset, dtype=vae_dtype)
     latent_mean, latent_std, scaling = cached.mean, cached.std, cached.scaling_factor
     startup["latent_cache"] = cached.report(cache_dir) if cache_dir else None
-    supervise.beat("latents cached")
+    status.beat("latents cached")
 
     learned = LearnedEmbeddings(text_encoder.get_input_embeddings().weight[token_ids], token_ids)
     lr = config.learning_rate
@@ -231,9 +231,9 @@ def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cp
     # re-casts its 860 M weights (autocast would, and hold the casts for the backward). Saving the
     # full pipeline takes the UNet from the base model, untouched.
     dtype = cpu.compute_dtype(precision.mixed_precision)
-    supervise.beat("loading")  # each phase of a start counts as progress for helpers.launch
+    status.beat("loading")  # each phase of a start counts as progress for helpers.launch
     parts = models.load_components(model_dir, unet_dtype=dtype, load_vae=False, tokenizer=tokenizer)
-    supervise.beat("loaded")
+    status.beat("loaded")
     text_encoder, unet = parts.text_encoder, parts.unet
     noise_scheduler = parts.noise_scheduler
     del parts

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from helpers.launching import supervise
+from helpers.ranks import status
 from helpers.training import data
 from helpers.training.engine import TrainingDivergedError
 
@@ -282,7 +282,7 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
     vectors = parts.vectors
     if parts.allreduce is not None:
         # a rank blocked here waits for a slower one; helpers.launch blames that one
-        supervise.beat(supervise.WAITING, step)
+        status.beat(status.WAITING, step)
         parts.allreduce.all_reduce_mean(vectors.grad)
     bad = [x for x in losses if not math.isfinite(x)]
     if bad:

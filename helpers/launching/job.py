@@ -1,0 +1,311 @@
+"""Run a job and supervise it to the end (:func:`prepare_job`, then :func:`run_job`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import queue
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from helpers.core.errors import DistributedError
+from helpers.launching import accelerate_config, ray_train, supervise
+from helpers.launching.commands import LaunchCommand, detect_mpi_flavour, find_mpirun, launch_commands
+from helpers.launching.layout import ClusterLayout, is_local_host, write_hostfile
+from helpers.launching.rank_output import Output, diagnose
+from helpers.ranks.backend import select_backend
+from helpers.ranks.status import STATUS_DIR_ENV
+
+logger = logging.getLogger(__name__)
+
+TRAIN_MODULES = ("helpers.train", "helpers.dreambooth")  # what every rank may run (--module)
+
+
+@dataclass
+class JobResult:
+    """How a job ended: exit code, duration, and who failed first with which error."""
+
+    returncode: int
+    seconds: float
+    failed_rank: int | None = None
+    error: str = ""
+    killed: bool = False
+    tails: dict[int, list[str]] = field(default_factory=dict)
+    not_ended: list[int] = field(default_factory=list)  # ranks helpers.launch had to stop
+    supervision: str = ""  # why helpers.launch stopped them, outputs, their last lines
+    outputs_complete: bool | None = None  # run_summary.json written (None: output_dir unknown)
+    input_error: str = ""  # a launcher's own "error: ..." line before any rank started (exit code 2)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def message(self) -> str:
+        """One paragraph for a person: which rank failed, its error, its last lines."""
+        if self.input_error and not self.ok:
+            return self.input_error
+        if self.supervision:
+            failed = f"rank {self.failed_rank} failed: {self.error}\n" if self.error and not self.ok else ""
+            return failed + self.supervision
+        if self.ok:
+            return f"job finished in {self.seconds:.1f} s"
+        who = f"rank {self.failed_rank}" if self.failed_rank is not None else "the job"
+        text = f"{who} failed (exit code {self.returncode}, after {self.seconds:.1f} s): {self.error or 'no error text'}"
+        if self.killed:
+            text += "\nthe other ranks did not stop on their own; helpers.launch stopped them"
+        tail = self.tails.get(self.failed_rank, [])[-12:] if self.failed_rank is not None else []
+        if tail:
+            text += f"\nlast lines of rank {self.failed_rank}:\n  " + "\n  ".join(tail)
+        return text
+
+    def raise_for_failure(self) -> None:
+        """Raise :class:`JobFailed` with :meth:`message` unless the job succeeded."""
+        if not self.ok:
+            raise JobFailed(self.message())
+
+
+class JobFailed(RuntimeError):
+    """A distributed job failed; the message names the rank and its error."""
+
+
+def _pump(index: int, pipe, out: queue.Queue) -> None:
+    """Read a process's output in chunks and queue its lines, each with its end (``\\n`` or ``\\r``)."""
+    pending = ""
+    fd = pipe.fileno()
+    while chunk := os.read(fd, 65536):
+        pending += chunk.decode("utf-8", errors="replace").replace("\r\n", "\n")
+        *lines, pending = re.split(r"(?<=[\r\n])", pending)
+        for line in lines:
+            out.put((index, line[:-1], line[-1]))
+    if pending:
+        out.put((index, pending, "\n"))
+    out.put((index, None, ""))
+
+
+def _process(cmd: LaunchCommand, ssh: Sequence[str], cwd: str) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that start ``cmd``: here, or on its host over ssh."""
+    env = dict(os.environ, **cmd.env)
+    if os.path.isabs(cmd.argv[0]):  # Intel MPI's mpirun finds mpiexec.hydra on PATH
+        env["PATH"] = os.pathsep.join([str(Path(cmd.argv[0]).parent), env.get("PATH", "")])
+    if cmd.host is None or is_local_host(cmd.host):
+        return list(cmd.argv), env
+    # -tt: closing the connection hangs up the remote launcher, so stopping the job stops it there too
+    remote = f"cd {shlex.quote(cwd)} && {cmd.shell()}"
+    return [*ssh, "-tt", "-o", "BatchMode=yes", cmd.host, remote], env
+
+
+def run_job(
+    commands: Sequence[LaunchCommand],
+    *,
+    stream: TextIO | None = None,
+    exit_grace_seconds: float = 60.0,
+    stall_seconds: float = 900.0,
+    timeout: float | None = None,
+    ssh: Sequence[str] = ("ssh",),
+    cwd: str | os.PathLike | None = None,
+    log_path: str | os.PathLike | None = None,
+) -> JobResult:
+    """Start the commands, stream rank 0's output, and supervise the job until every rank has ended.
+
+    Args:
+        commands: from :func:`prepare_job` (ranks report their status) or
+            :func:`helpers.launching.commands.launch_commands`.
+        stream: where rank 0's lines and the launchers' own lines go (default stdout).
+        exit_grace_seconds: once one rank has exited (or failed, or a command exited non-zero),
+            how long the others get to end before this stops the job.
+        stall_seconds: stop the job when a rank alive has reported no progress for this long.
+        timeout: kill the job after this many seconds in all (None: no limit).
+        ssh: the ssh command for commands that run on another host.
+        cwd: working folder of the job (on every host).
+        log_path: also write every rank's lines, tagged ``[rank]``, to this file.
+
+    Returns:
+        The :class:`JobResult`; call ``raise_for_failure()`` to turn a failure into an exception.
+
+    Raises:
+        DistributedError: ``exit_grace_seconds`` or ``stall_seconds`` not positive (nothing started).
+    """
+    check_seconds(exit_grace_seconds=exit_grace_seconds, stall_seconds=stall_seconds)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    status_dir, output_dir = commands[0].status_dir, commands[0].output_dir
+    watcher = supervise.Watcher(supervise.prepare(status_dir)) if status_dir else None
+    # Held until this function returns or this process dies: the ranks end themselves once it is free.
+    held = supervise.hold_launcher_lock(status_dir) if status_dir else None
+    log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed below
+    out = Output(stream or sys.stdout, log)
+    lines: queue.Queue = queue.Queue()
+    start, started_wall, procs = time.monotonic(), time.time(), []
+    verdict: tuple[list[int], str] | None = None
+    with supervise.signals_interrupt():  # TERM (a scheduler, kill) and HUP stop the job as Ctrl-C does
+        try:
+            for i, cmd in enumerate(commands):
+                argv, env = _process(cmd, ssh, cwd)
+                logger.info("starting %s", shlex.join(argv))
+                p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+                procs.append(p)
+                threading.Thread(target=_pump, args=(i, p.stdout, lines), daemon=True).start()
+            open_pipes, killed, ended_at, stopped_at = len(procs), False, None, math.inf
+            while open_pipes:
+                try:
+                    i, text, end = lines.get(timeout=0.2)
+                    if text is None:
+                        open_pipes -= 1
+                    else:
+                        out.feed(i, commands[i], text, end)
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                if watcher is not None and not killed:
+                    watcher.poll(now)
+                    verdict = watcher.verdict(
+                        now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in procs)
+                    )
+                if out.failure_seen_at is None and any(p.poll() for p in procs):
+                    out.failure_seen_at = now  # a command exited non-zero
+                overdue = out.failure_seen_at is not None and now - out.failure_seen_at > exit_grace_seconds
+                if not killed and (verdict or overdue or (timeout and now - start > timeout)):
+                    why = verdict[1] if verdict else "a rank failed" if overdue else f"timeout of {timeout} s"
+                    logger.warning("stopping the job: %s", why)
+                    supervise.stop(procs, ranks=_alive_ranks(watcher), ssh=ssh)
+                    killed, stopped_at = True, now
+                if all(p.poll() is not None for p in procs):
+                    ended_at = ended_at or now
+                    if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
+                        break
+        except BaseException:  # Ctrl-C, TERM, HUP, an error here: the ranks must not run on
+            supervise.stop(procs, ranks=_alive_ranks(watcher), ssh=ssh)
+            raise
+        finally:
+            if held is not None:
+                os.close(held)  # after stop(): a rank that sees it free now has been told already
+            if log:
+                log.close()
+    for p in procs:
+        p.wait()
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    if killed and code == 0:
+        code = 1
+    result = JobResult(code, time.monotonic() - start, killed=killed, input_error=out.input_error,
+                       tails={r: list(t) for r, t in out.tails.items()})  # fmt: skip
+    if verdict:
+        result.not_ended = verdict[0]
+        result.outputs_complete, outputs = supervise.outputs(output_dir, started_wall)
+        tails = [
+            f"last lines of rank {r}:\n  " + "\n  ".join(result.tails.get(r, [])[-12:]) for r in verdict[0]
+        ]
+        result.supervision = "\n".join([f"{verdict[1]} {outputs}", *tails])
+        result.returncode = 0 if result.outputs_complete else 1
+    failed_before_stop = out.failure_seen_at is not None and out.failure_seen_at < stopped_at
+    if result.returncode and (not verdict or failed_before_stop):  # not the errors of ranks it stopped
+        result.failed_rank, result.error = diagnose(
+            out.errors, out.first_traceback, "\n".join(out.launcher_lines)
+        )
+    return result
+
+
+def _alive_ranks(watcher: supervise.Watcher | None) -> list[tuple[str, int]]:
+    """``(host, pid)`` of every rank that has not exited, as their status files say."""
+    states = watcher.ranks.values() if watcher else []
+    return [(s.status["host"], s.status["pid"]) for s in states if s.alive and "pid" in s.status]
+
+
+def prepare_job(
+    layout: ClusterLayout,
+    train_args: Sequence[str],
+    launcher: str = "mpirun",
+    *,
+    work_dir: str | os.PathLike | None = None,
+    mpirun: str | None = None,
+    backend: str | None = None,
+    num_nodes: int = 1,
+    ray_address: str | None = None,
+    module: str = "helpers.train",
+) -> list[LaunchCommand]:
+    """Check the training flags, write the hostfile and accelerate configs, and build the commands.
+
+    Args:
+        layout: the cluster (for ``"ray"``: this machine's ``nproc_per_node`` and
+            ``threads_per_process``; Ray finds the nodes itself).
+        train_args: ``helpers.train`` flags; parsed here so a bad flag fails before any process starts.
+        launcher: ``"mpirun"``, ``"torchrun"`` or ``"ray"`` (one command: the Ray Train driver of
+            :mod:`helpers.launching.ray_train`).
+        work_dir: folder for ``hostfile``, ``accelerate_config_node*.yaml``, the ranks' ``status/``
+            and torchrun's rank logs, ``torchrun/`` (default ``<output_dir>/launch``, with the run,
+            so two runs never share it; must be visible at the same path on every node, or copied
+            there).
+        mpirun: the mpirun program (default: this environment's, see :func:`find_mpirun`).
+        backend: ``"gloo"``/``"ccl"`` (default :func:`helpers.ranks.backend.select_backend`).
+        num_nodes: ``"ray"`` only: nodes of the Ray cluster to spread the workers over.
+        ray_address: ``"ray"`` only: ``"auto"`` or ``HOST:PORT`` of a running Ray cluster (default:
+            a private Ray runtime on this machine, ended with the job).
+        module: what every rank runs, one of :data:`TRAIN_MODULES` (``train_args`` are its flags).
+
+    Returns:
+        The commands to pass to :func:`run_job`.
+    """
+    if module == "helpers.dreambooth":  # its flag parser imports no torch, as helpers.training.config's
+        from helpers.dreambooth.config import parse_args as parse_train_args
+
+        data_flag = "instance_data_dir"
+    else:
+        from helpers.training.config import parse_args as parse_train_args
+
+        data_flag = "train_data_dir"
+    config = parse_train_args(list(train_args))
+    if getattr(config, data_flag) and not Path(getattr(config, data_flag)).is_dir():
+        raise DistributedError(
+            f"--{data_flag} {getattr(config, data_flag)} is not a folder here; give the concept images' folder "
+            "(the same path on every node)"
+        )
+    if launcher == "ray" and module != "helpers.train":
+        raise DistributedError(
+            f"--launcher ray runs helpers.train only; run {module} with mpirun or torchrun"
+        )
+    output_dir = Path(config.output_dir).resolve()
+    work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
+    status_dir = str((work_dir / "status").resolve())
+    if launcher == "ray":
+        cmd = ray_train.driver_command(
+            train_args, nproc_per_node=layout.nproc_per_node, num_nodes=num_nodes, ray_address=ray_address,
+            threads_per_process=int(layout.threads_per_process or 1), work_dir=work_dir, status_dir=status_dir,
+        )  # fmt: skip
+        return [dataclasses.replace(cmd, status_dir=status_dir, output_dir=str(output_dir))]
+    configs = accelerate_config.write_accelerate_configs(layout, work_dir, config.mixed_precision)
+    kwargs = {}
+    if launcher == "mpirun":
+        mpirun = mpirun or find_mpirun()
+        flavour = detect_mpi_flavour(mpirun)
+        hostfile = work_dir / "hostfile"
+        if not layout.is_local:
+            write_hostfile(layout, hostfile, flavour)
+        kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
+    commands = launch_commands(
+        layout, train_args, launcher, backend=backend or select_backend(),
+        extra_env={STATUS_DIR_ENV: status_dir}, entry=("-m", module), log_dir=work_dir / "torchrun",
+        **kwargs,
+    )  # fmt: skip
+    return [dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir)) for c in commands]
+
+
+_DEFAULT_SECONDS = {"exit_grace_seconds": 60, "stall_seconds": 900}
+
+
+def check_seconds(cli: bool = False, **values: float) -> None:
+    """Reject a supervision time that is not positive (one line naming it, as flag or argument)."""
+    for name, value in values.items():
+        if value <= 0:
+            given = f"--{name} {value:g}" if cli else f"{name}={value:g}"
+            raise DistributedError(
+                f"{given}: must be more than 0 seconds; pass e.g. {_DEFAULT_SECONDS[name]} (the default)"
+            )
