@@ -53,7 +53,8 @@ system-packages:
 	else echo "note: missing" $$missing "(install them as root) - the tests that need them will be skipped"; fi
 
 demo: setup
-	$(PY) -m helpers.workshop.notebooks --out build --html
+	$(PY) -m helpers.workshop.notebooks --out build
+	$(PY) -m helpers.workshop.handouts build
 
 # PDF handouts too (headless Chromium), from the notebooks `make demo` executed into build/.
 handouts: demo system-packages
@@ -72,6 +73,7 @@ test-ipex: setup-ipex
 lint: setup
 	$(VENV)/bin/ruff check helpers tests bench
 	$(VENV)/bin/ruff format --check helpers tests bench
+	$(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff format helpers tests bench

@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from helpers.workshop import plots
 
     if args.figure:
-        path = plots.save_figure(scaling.figure(), args.figure)
+        path = plots.save_figure(plots.scaling_figure(), args.figure)
         print(f"wrote {path}")
         return {"figure": str(path)}
     seconds = _launch(args.world_size, args.repeats)

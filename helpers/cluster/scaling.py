@@ -310,26 +310,3 @@ def curves(
             preds = [predict(mode, machine, n, nproc, **settings) for n in range(1, max_nodes + 1)]
             out[(label, mode)] = ([p.processes for p in preds], [p.images_per_second for p in preds])
     return out
-
-
-def figure(layouts: Sequence[tuple[Machine | str, int]] = FIGURE_LAYOUTS, max_nodes: int = 16):
-    """docs/scaling.md's and notebook 04's figure: predicted images/s against processes for 1..``max_nodes``
-    nodes, ours (solid) against the reference (dashed), one colour per machine, and the guide's
-    published point."""
-    from helpers.workshop import plots
-
-    check = guide_check()
-    fig = plots.line_groups(
-        curves(layouts, max_nodes),
-        title=f"Model: SD v1.5 textual inversion, 512 px, batch 1 per process, 1-{max_nodes} nodes",
-        xlabel="processes (nodes x processes per node)",
-        ylabel="images / s",
-        log=True,
-    )
-    ax = fig.axes[0]
-    ax.plot([check.reference.processes], [check.published_images_per_second], marker="*", markersize=12,
-            color="black", linestyle="none", label="guide, published (reference, 16 processes)")  # fmt: skip
-    ax.legend(
-        fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0)
-    )  # beside the axes: the lines fill them
-    return fig

@@ -1,10 +1,11 @@
-"""``python -m helpers.toyworld build|score``: build the toy-world model, or score pictures of Pip.
+"""``python -m helpers.toyworld build|score|render-sample``: build the model, score pictures of Pip, draw Pip.
 
 ::
 
     python -m helpers.toyworld build --output_dir DIR [--seed 0] [--unet_steps N ...]
     python -m helpers.toyworld score --model toyworld --prompt "a photo of <pip>" \\
         [--learned_embeds PATH] [--num_images 8] [--seed 0] [--output_dir DIR]
+    python -m helpers.toyworld render-sample DEST   # the bundled pictures of Pip (helpers/assets/sample_concept)
 
 ``score`` prints one JSON line (``concept_score``, per-image probabilities, judged backgrounds,
 image paths). Input problems are one line on stderr and exit code 2.
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from helpers.core.errors import run_cli
-from helpers.toyworld import build, evaluate
+from helpers.toyworld import build, evaluate, world
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -36,6 +37,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     s.add_argument("--output_dir", default="toyworld_scores", help="where the pictures go")
     s.add_argument("--guidance_scale", type=float, default=evaluate.GUIDANCE_SCALE)
     s.add_argument("--num_inference_steps", type=int, default=evaluate.NUM_INFERENCE_STEPS)
+    r = sub.add_parser("render-sample", help="draw the bundled sample concept (Pip) into DEST")
+    r.add_argument("dest", help="the folder to write the pictures into")
     return parser.parse_args(argv)
 
 
@@ -43,6 +46,9 @@ def main(args: argparse.Namespace) -> int:
     """Build (prints the model folder) or score (prints one JSON line)."""
     if args.command == "build":
         print(build.build(build.config_from_args(args), sys.argv[2:]))
+        return 0
+    if args.command == "render-sample":
+        print(*world.render_pip_pictures(args.dest), sep="\n")
         return 0
     result = evaluate.score(args.model, args.prompt, args.learned_embeds, args.num_images, args.seed,
                             args.output_dir, args.guidance_scale, args.num_inference_steps)  # fmt: skip

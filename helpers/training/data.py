@@ -9,7 +9,6 @@ pixels, so the engine can encode each view with the VAE once and cache the laten
 
 Command line::
 
-    python -m helpers.training.data render-sample DEST      # regenerate the bundled sample images
     python -m helpers.training.data download [--repo_id ID] [--dest DIR]
     python -m helpers.training.data validate PATH [--min_size N]
 """
@@ -40,7 +39,6 @@ __all__ = [
     "download_concept",
     "imagenet_style_templates_small",
     "imagenet_templates_small",
-    "render_sample_concept",
     "sample_concept_dir",
     "validate_image_folder",
 ]
@@ -111,13 +109,6 @@ imagenet_style_templates_small = [
 ]
 
 _TEMPLATES = {"object": imagenet_templates_small, "style": imagenet_style_templates_small}
-
-
-def render_sample_concept(dest: str | os.PathLike, seed: int = 0) -> list[Path]:
-    """Draw the bundled sample concept (Pip) into ``dest``: see :func:`helpers.toyworld.world.render_pip_pictures`."""
-    from helpers.toyworld.world import render_pip_pictures  # the toy world builds on this module
-
-    return render_pip_pictures(dest, seed)
 
 
 class ConceptImagesWarning(UserWarning):
@@ -486,8 +477,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m helpers.training.data", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    render = sub.add_parser("render-sample", help="draw the bundled sample concept images into DEST")
-    render.add_argument("dest", type=Path)
     download = sub.add_parser("download", help="download the images of a concept from the Hub")
     download.add_argument("--repo_id", default=DEFAULT_CONCEPT_REPO)
     download.add_argument("--dest", type=Path, default=None)
@@ -502,8 +491,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(args: argparse.Namespace) -> list[Path] | Path:
     """Run one ``python -m helpers.training.data`` command; returns the files or folder it produced or checked."""
-    if args.command == "render-sample":
-        return render_sample_concept(args.dest)
     if args.command == "download":
         return download_concept(args.repo_id, args.dest, revision=args.revision)
     return validate_image_folder(args.path, min_size=args.min_size)

@@ -163,21 +163,21 @@ def run_notebook(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``python -m helpers.workshop.notebooks [--out build] [--html] [NOTEBOOK ...]``."""
+    """``python -m helpers.workshop.notebooks [--out build] [NOTEBOOK ...]``."""
     parser = argparse.ArgumentParser(
         prog="python -m helpers.workshop.notebooks",
         description="Run the workshop notebooks headlessly on the tiny profile.",
     )
     parser.add_argument("notebooks", nargs="*", help="notebooks to run (default: all, in order)")
-    parser.add_argument("--out", default="build", help="folder for executed notebooks and handouts")
-    parser.add_argument(
-        "--html", action="store_true", help="also write offline HTML handouts (helpers.workshop.handouts)"
-    )
+    parser.add_argument("--out", default="build", help="folder for the executed notebooks")
     return parser.parse_args(argv)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the notebooks of :func:`parse_args` on their tiny profile; write them (and handouts) to ``--out``."""
+    """Run the notebooks of :func:`parse_args` on their tiny profile; write them to ``--out``.
+
+    The handouts are :mod:`helpers.workshop.handouts`' (``make demo`` runs both), which reads
+    this module's records: it sits above this one."""
     out = Path(args.out).resolve()
     paths = [Path(p).resolve() for p in args.notebooks] or notebook_paths()
     for nb in paths:
@@ -185,11 +185,7 @@ def main(args: argparse.Namespace) -> int:
         logger.info("running %s ...", nb.name)
         records = run_notebook(nb, executed, tiny_profile(nb), cwd=out)
         logger.info("  %s records: %s", nb.name, ", ".join(f"{k}={v!r}" for k, v in records.items()))
-        if args.html:
-            from helpers.workshop.handouts import export_html
-
-            logger.info("  handout: %s", export_html(executed, executed.with_suffix(".html")))
-    logger.info("executed notebooks and handouts are in %s", out)
+    logger.info("executed notebooks are in %s", out)
     return 0
 
 

@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 from PIL import Image
 
+from helpers.cluster import scaling
 from helpers.core.files import write_path_atomic
 
 __all__ = [
@@ -288,6 +289,29 @@ def line_groups(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
+    return fig
+
+
+def scaling_figure(
+    layouts: Sequence[tuple[scaling.Machine | str, int]] = scaling.FIGURE_LAYOUTS, max_nodes: int = 16
+) -> Figure:
+    """docs/scaling.md's and notebook 04's figure: predicted images/s against processes for 1..``max_nodes``
+    nodes, ours (solid) against the reference (dashed), one colour per machine, and the guide's
+    published point."""
+    check = scaling.guide_check()
+    fig = line_groups(
+        scaling.curves(layouts, max_nodes),
+        title=f"Model: SD v1.5 textual inversion, 512 px, batch 1 per process, 1-{max_nodes} nodes",
+        xlabel="processes (nodes x processes per node)",
+        ylabel="images / s",
+        log=True,
+    )
+    ax = fig.axes[0]
+    ax.plot([check.reference.processes], [check.published_images_per_second], marker="*", markersize=12,
+            color="black", linestyle="none", label="guide, published (reference, 16 processes)")  # fmt: skip
+    ax.legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0)
+    )  # beside the axes: the lines fill them
     return fig
 
 

@@ -159,7 +159,7 @@ def test_line_groups_colours_groups_and_styles_variants():
 
 
 def test_figure_draws_every_layout_and_the_published_point():
-    ax = scaling.figure(max_nodes=4).axes[0]
+    ax = plots.scaling_figure(max_nodes=4).axes[0]
     lines = ax.get_lines()
     assert len(lines) == 2 * len(scaling.FIGURE_LAYOUTS) + 1
     d8_ours = next(ln for ln in lines if ln.get_label() == "Standard_D8_v5, 2 per node: ours")
