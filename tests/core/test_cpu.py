@@ -1,0 +1,101 @@
+"""helpers.core.cpu: what this CPU can do, the precision chosen for it, and thread settings."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers.core import cpu
+
+CPUINFO = """processor	: 0
+model name	: Test CPU 9000
+flags		: fpu sse2 avx2 fma avx512f avx512_bf16
+processor	: 1
+"""
+
+
+def test_flags_and_model_come_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(CPUINFO)
+    assert cpu.cpu_flags(str(info)) == frozenset({"fpu", "sse2", "avx2", "fma", "avx512f", "avx512_bf16"})
+    assert cpu._model_name(str(info)) == "Test CPU 9000"
+    assert cpu.cpu_flags(str(tmp_path / "missing")) == frozenset()  # no /proc/cpuinfo: no flags
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ({"avx512_bf16"}, True),
+        ({"amx_bf16", "avx2"}, True),
+        ({"avx2", "fma", "avx512f"}, False),
+        (set(), False),
+    ],
+)
+def test_native_bf16_means_avx512_bf16_or_amx(flags, native):
+    assert cpu.has_native_bf16(frozenset(flags)) is native
+
+
+def test_auto_picks_bf16_only_where_the_cpu_has_it():
+    with_bf16, without = frozenset({"avx512_bf16"}), frozenset({"avx2"})
+    assert cpu.choose_precision("auto", with_bf16) == cpu.PrecisionChoice(
+        "bf16", "auto: the CPU has native bf16 (avx512_bf16), so bf16 autocast"
+    )
+    assert cpu.choose_precision("auto", without) == cpu.PrecisionChoice(
+        "no", "auto: the CPU has no native bf16 (no AVX512-BF16, no AMX), so fp32"
+    )
+    assert cpu.choose_precision("no", with_bf16).mixed_precision == "no"
+
+
+def test_bf16_asked_for_without_native_bf16_is_kept_with_a_warning():
+    choice = cpu.choose_precision("bf16", frozenset({"avx2"}))
+    assert choice.mixed_precision == "bf16"
+    assert "100-150x slower" in choice.warning and "mixed_precision='auto'" in choice.warning
+    assert cpu.choose_precision("bf16", frozenset({"amx_bf16"})).warning is None
+    with pytest.raises(ValueError, match=r"mixed_precision='fp16': must be 'auto', 'no' or 'bf16'"):
+        cpu.choose_precision("fp16")
+
+
+def test_compute_dtype_follows_the_mode():
+    assert cpu.compute_dtype("bf16") == torch.bfloat16
+    assert cpu.compute_dtype("no") == torch.float32
+
+
+def test_threads_come_from_omp_or_are_shared_among_the_nodes_processes(monkeypatch):
+    with cpu.torch_threads(torch.get_num_threads()):  # restores PyTorch's count afterwards
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert cpu.set_threads() == 3 and torch.get_num_threads() == 3
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpu.physical_cores() * 2))
+        assert cpu.set_threads() == 1  # more processes than cores: still one thread each
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert cpu.set_threads() == cpu.physical_cores()
+        assert cpu.set_threads(2) == 2 and torch.get_num_threads() == 2
+
+
+def test_torch_threads_restores_the_count_even_after_an_error():
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError), cpu.torch_threads(1):
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+
+
+def test_physical_cores_never_exceed_what_this_process_may_use():
+    assert 1 <= cpu.physical_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_report_agrees_with_the_choice_for_this_cpu():
+    report = cpu.report()
+    assert report.precision == cpu.choose_precision("auto").mixed_precision
+    assert report.native_bf16 is cpu.has_native_bf16()
+    assert set(report.isa_flags) == set(cpu.ISA_FLAGS)
+    assert report.to_dict()["physical_cores"] == cpu.physical_cores()
+
+
+def test_keep_freed_memory_applies_on_glibc_and_restores_on_exit():
+    with cpu.keep_freed_memory() as applied:
+        assert applied is (cpu._glibc() is not None)
+    with cpu.keep_freed_memory() as again:  # the defaults came back: it can be entered again
+        assert again is applied
