@@ -97,6 +97,10 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         DistributedError: one line naming the option and the fix.
     """
+    for name in ("nproc_per_node", "num_nodes", "threads_per_process"):  # 0 used to run one process
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise DistributedError(f"--{name} {value}: must be at least 1 (or leave the flag out for the default)")
     check_seconds(exit_grace_seconds=args.exit_grace_seconds, stall_seconds=args.stall_seconds, cli=True)
     _check_ray_options(args)
     if args.dry_run:  # printing commands for a cluster need not reach it from here

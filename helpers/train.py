@@ -14,10 +14,12 @@ if __name__ == "__main__":
     gc.disable()  # while the imports below run; exit_with turns it back on (see its docstring)
 
 import logging
+import sys
 
 from helpers.core.errors import exit_with, run_cli
 from helpers.ranks import faults, status
 from helpers.training.config import TrainConfig, parse_args
+from helpers.training.engine.checkpoints import INTERRUPTED, INTERRUPTED_EXIT
 from helpers.training.models import HubUnavailableError
 from helpers.training.textual_inversion import TrainResult, train
 
@@ -37,7 +39,11 @@ def cli(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per checkpoint file otherwise
     status.start()  # under helpers.launch: this rank's lock and status, until the process is gone
-    return run_cli(main, parse_args, argv, also=(HubUnavailableError,))
+    try:
+        return run_cli(main, parse_args, argv, also=(HubUnavailableError,))
+    except KeyboardInterrupt:  # one line saying how to resume, not the traceback of wherever it hit
+        sys.stderr.write(f"\n{INTERRUPTED}\n")
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

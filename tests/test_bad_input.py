@@ -27,12 +27,22 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from helpers.ranks import oneccl
 from helpers.training import data
 
 SAMPLE = str(data.sample_concept_dir())
 CIDR = "203.0.113.7/32"
 TRAIN = ["--train_data_dir", SAMPLE, "--output_dir", "{tmp}/out"]  # a good base for one bad setting
 INFER = ["generate", "--model", "toyworld", "--prompt", "a <pip>", "--output_dir", "{tmp}/out"]
+DREAM = ["--pretrained_model_name_or_path", "tiny", "--instance_data_dir", SAMPLE, "--instance_prompt",
+         "a photo of sks toy", "--resolution", "64", "--output_dir", "{tmp}/out"]  # fmt: skip
+SCORE = ["score", "--prompt", "a photo of <pip>", "--output_dir", "{tmp}/scores"]
+LAUNCH = ["--launcher", "torchrun", "--dry_run"]
+# An interrupted DreamBooth run of DREAM's settings with a complete checkpoint-8 (is_complete looks
+# for accelerate's random_states_0.pkl; nothing is loaded before the checks refuse).
+DREAM_RUN = "pretrained_model_name_or_path: tiny\nseed: 0\nrank: 4\ntrain_text_encoder: false\nmax_train_steps: 8\n"
+DREAM_CKPT = {"out/dreambooth_config.yaml": DREAM_RUN, "out/checkpoints/checkpoint-8/dreambooth_config.yaml": DREAM_RUN,
+              "out/checkpoints/checkpoint-8/random_states_0.pkl": b"x"}  # fmt: skip
 
 
 def png(size: tuple[int, int] = (64, 64)) -> bytes:
@@ -56,7 +66,9 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 class Case:
     """One bad input. ``files`` maps a path under ``{tmp}`` to its content (None: an empty folder);
     ``unreadable`` names one of them that this user cannot read; ``unwritable`` one folder it
-    cannot write (both simulated when the tests run as root, who is never refused)."""
+    cannot write (both simulated when the tests run as root, who is never refused).
+    ``ccl_not_built``: as where ``make setup`` did not build the ccl extension (its build folder
+    an empty one, nothing loaded yet)."""
 
     id: str
     cli: str
@@ -65,6 +77,7 @@ class Case:
     files: dict[str, str | bytes | None] = field(default_factory=dict)
     unreadable: str | None = None
     unwritable: str | None = None
+    ccl_not_built: bool = False
 
 
 CASES = [
@@ -119,6 +132,8 @@ CASES = [
     Case("resolution 0", "train", [*TRAIN, "--resolution", "0"], "resolution='0': must be greater than 0"),
     Case("resolution text", "train", [*TRAIN, "--resolution", "64px"], "resolution='64px': expected a whole number"),
     Case("max_train_steps 0", "train", [*TRAIN, "--max_train_steps", "0"], "max_train_steps='0': must be at least 1"),
+    Case("repeats 0", "train", [*TRAIN, "--repeats", "0"], "repeats='0': must be at least 1"),
+    Case("repeats -1", "train", [*TRAIN, "--repeats", "-1"], "repeats='-1': must be at least 1"),
     Case("train_batch_size 0", "train", [*TRAIN, "--train_batch_size", "0"], "train_batch_size='0': must be at least 1"),
     Case("mixed_precision fp16", "train", [*TRAIN, "--mixed_precision", "fp16"],
          "mixed_precision='fp16': must be one of auto, no, bf16"),
@@ -146,9 +161,45 @@ CASES = [
     Case("corrupt picture", "train", ["--pretrained_model_name_or_path", "toyworld", "--resolution", "64",
          "--train_data_dir", "{tmp}/concept", "--output_dir", "{tmp}/out"], "cut.png: corrupt or truncated image",
          files={"concept/a.png": png(), "concept/cut.png": png()[:-30]}),
+    # --- helpers.dreambooth: the same schema as helpers.train, the same folder and checkpoint checks ----
+    Case("dreambooth: adam_beta2 1", "dreambooth", [*DREAM, "--adam_beta2", "1"],
+         "invalid DreamBooth setting: adam_beta2='1': must be at least 0 and less than 1 (e.g. 0.999)"),
+    Case("dreambooth: learning_rate inf", "dreambooth", [*DREAM, "--learning_rate", "inf"],
+         "learning_rate='inf': must be a finite number"),
+    Case("dreambooth: resolution 60", "dreambooth", [*DREAM, "--resolution", "60"],
+         "resolution='60': must be a multiple of 8 (e.g. 512, or 64 for 'toyworld')"),
+    Case("dreambooth: rank 0", "dreambooth", [*DREAM, "--rank", "0"], "rank='0': must be at least 1 (4 to 16 is usual)"),
+    Case("dreambooth: mixed_precision fp16", "dreambooth", [*DREAM, "--mixed_precision", "fp16"],
+         "must be one of auto, no, bf16 (fp16 is a GPU format"),
+    Case("dreambooth: YAML learning_rate text", "dreambooth", ["--config", "{tmp}/run.yaml"],
+         "{tmp}/run.yaml: invalid DreamBooth setting: learning_rate='5e-4x': expected a number",
+         files={"run.yaml": f"instance_data_dir: {SAMPLE}\ninstance_prompt: a sks toy\nlearning_rate: 5e-4x\n"}),
+    Case("dreambooth: YAML syntax error", "dreambooth", ["--config", "{tmp}/run.yaml"],
+         "config file {tmp}/run.yaml, line 3, column 1: YAML syntax error", files={"run.yaml": "rank: 4\nseed: [1\n"}),
+    Case("dreambooth: output_dir is a file", "dreambooth", DREAM, "output_dir='{tmp}/out' is a file",
+         files={"out": "a file"}),
+    Case("dreambooth: fresh run into an interrupted run", "dreambooth", DREAM,
+         "output_dir {tmp}/out holds an interrupted run (seed 0, pretrained_model_name_or_path 'tiny', rank 4, "
+         "train_text_encoder False, max_train_steps 8, last checkpoint checkpoint-8). Fix: resume it with "
+         "--resume_from_checkpoint latest", files=DREAM_CKPT),
+    Case("dreambooth: resume past the end", "dreambooth", [*DREAM, "--resume_from_checkpoint", "latest",
+         "--max_train_steps", "3"], "checkpoint-8 was saved at step 8, after this run's last step (max_train_steps=3)."
+         " Fix: pass --max_train_steps 8 or more to continue from it.", files=DREAM_CKPT),
+    Case("dreambooth: resume with another rank", "dreambooth", [*DREAM, "--resume_from_checkpoint", "latest",
+         "--rank", "8"], "holds another run than the one resumed (rank 4 there, 8 here)", files=DREAM_CKPT),
+    Case("dreambooth: resume without a checkpoint", "dreambooth", [*DREAM, "--resume_from_checkpoint", "latest"],
+         "resume_from_checkpoint='latest' but {tmp}/out/checkpoints holds no checkpoint",
+         files={"out/dreambooth_config.yaml": DREAM_RUN}),
     # --- helpers.launch passes the training flags through the same checks -----------------------------
+    Case("launch: nproc_per_node 0", "launch", ["--nproc_per_node", "0", *LAUNCH, "--", *TRAIN],
+         "--nproc_per_node 0: must be at least 1"),
+    Case("launch: threads_per_process 0", "launch", ["--threads_per_process", "0", *LAUNCH, "--", *TRAIN],
+         "--threads_per_process 0: must be at least 1"),
     Case("launch: adam_beta1 1.5", "launch", ["--launcher", "torchrun", "--dry_run", "--", *TRAIN, "--adam_beta1",
          "1.5"], "adam_beta1='1.5': must be at least 0 and less than 1"),
+    Case("launch: --backend ccl not built", "launch", ["--backend", "ccl", "--dry_run", "--", *TRAIN],
+         "--backend ccl: the ccl extension is not built for this torch and oneCCL: run `make setup` "
+         "(or use --backend gloo)", ccl_not_built=True),
     # --- helpers.inference: learned embeddings and folders ------------------------------------------
     Case("embeddings empty", "inference", [*INFER, "--learned_embeds", "{tmp}/learned_embeds.safetensors"],
          "learned_embeds '{tmp}/learned_embeds.safetensors' is empty (0 bytes)",
@@ -177,6 +228,20 @@ CASES = [
          "learned_embeds '{tmp}/run/learned_embeds.safetensors' does not exist", files={"run": None}),
     Case("generate into a file", "inference", ["generate", "--model", "toyworld", "--prompt", "a", "--output_dir",
          "{tmp}/images.png"], "--output_dir '{tmp}/images.png' is a file", files={"images.png": png()}),
+    Case("generate with 0 steps", "inference", [*INFER, "--num_inference_steps", "0"],
+         "--num_inference_steps 0: must be at least 1"),
+    Case("generate at resolution 60", "inference", [*INFER, "--resolution", "60"],
+         "--resolution 60: must be a positive multiple of 8"),
+    Case("generate 0 images per prompt", "inference", [*INFER, "--num_images_per_prompt", "0"],
+         "--num_images_per_prompt 0: must be at least 1"),
+    Case("generate with 0 timed repeats", "inference", [*INFER, "--repeats", "0"], "--repeats 0: must be at least 1"),
+    Case("generate with NaN guidance", "inference", [*INFER, "--guidance_scale", "nan"],
+         "--guidance_scale nan: must be a finite number of 0 or more"),
+    # --- helpers.toyworld score ----------------------------------------------------------------------
+    Case("toyworld: score 0 images", "toyworld", [*SCORE, "--num_images", "0"], "--num_images 0: must be at least 1"),
+    Case("toyworld: score -2 images", "toyworld", [*SCORE, "--num_images", "-2"], "--num_images -2: must be at least 1"),
+    Case("toyworld: score with 0 steps", "toyworld", [*SCORE, "--num_inference_steps", "0"],
+         "--num_inference_steps 0: must be at least 1"),
     Case("compare against a non-export", "inference", ["compare", "--model", "toyworld", "--prompt", "a",
          "--openvino_dir", "{tmp}/ov"], "--openvino_dir '{tmp}/ov' is not an exported OpenVINO pipeline",
          files={"ov/README.md": "x"}),
@@ -190,6 +255,15 @@ CASES = [
     Case("ssh from ::/1", "azure", ["plan", "--config", "{tmp}/cluster.yaml"],
          "ssh_source_cidr='::/1' allows SSH from 170,141,183,460,469,231,731,687,303,715,884,105,728 addresses "
          "(2^127), more than a /48", files={"cluster.yaml": "ssh_source_cidr: ::/1\n"}),
+    Case("ssh from IPv4-mapped ::ffff:0.0.0.0/97", "azure", ["plan", "--config", "{tmp}/cluster.yaml"],
+         "ssh_source_cidr='::ffff:0.0.0.0/97' (the IPv4 range 0.0.0.0/1) allows SSH from 2,147,483,648 addresses",
+         files={"cluster.yaml": "ssh_source_cidr: '::ffff:0.0.0.0/97'\n"}),
+    Case("ssh from all of IPv4, IPv4-mapped", "azure", ["plan", "--config", "{tmp}/cluster.yaml"],
+         "this opens SSH to the whole internet", files={"cluster.yaml": "ssh_source_cidr: '::ffff:0:0/96'\n"}),
+    Case("cost for -5 hours", "azure", ["plan", "--config", "{tmp}/cluster.yaml", "--hours", "-5"],
+         "hours=-5: must be a positive number of hours", files={"cluster.yaml": f"ssh_source_cidr: {CIDR}\n"}),
+    Case("cost at a NaN price", "azure", ["plan", "--config", "{tmp}/cluster.yaml", "--vm-price-per-hour", "nan"],
+         "vm_price_per_hour=nan: must be a price in USD of 0 or more", files={"cluster.yaml": f"ssh_source_cidr: {CIDR}\n"}),
     Case("ssh from a /15", "azure", ["plan", "--config", "{tmp}/cluster.yaml"], "allows SSH from 131,072 addresses",
          files={"cluster.yaml": "ssh_source_cidr: 10.0.0.0/15\n"}),
     Case("ssh from a /47", "azure", ["plan", "--config", "{tmp}/cluster.yaml"], "more than a /48",
@@ -306,6 +380,14 @@ def run_in_process(cli: str, argv: list[str]) -> int:
         from helpers.cluster import azure
 
         return azure.cli(argv)
+    if cli == "dreambooth":
+        from helpers.dreambooth import command
+
+        return command.cli(argv)
+    if cli == "toyworld":
+        from helpers.toyworld import __main__ as toyworld
+
+        return toyworld.cli(argv)
     return data.cli(argv)
 
 
@@ -325,6 +407,9 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(
             _deny(monkeypatch, tmp_path / case.unwritable, "write")
         else:
             (tmp_path / case.unwritable).chmod(0o555)
+    if case.ccl_not_built:
+        monkeypatch.setattr(oneccl, "CACHE", tmp_path.parent / f"{tmp_path.name}-no-ccl-build")
+        monkeypatch.setattr(oneccl, "_loaded", None)
     before = _tree(tmp_path)
     try:
         code = run_in_process(case.cli, [a.format(tmp=tmp_path) for a in case.argv])
@@ -340,7 +425,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(
 
 
 def test_every_command_is_in_the_table():
-    assert {c.cli for c in CASES} == {"train", "launch", "inference", "azure", "data"}
+    assert {c.cli for c in CASES} == {"train", "dreambooth", "launch", "inference", "toyworld", "azure", "data"}
 
 
 # --- what used to crash and is now accepted -------------------------------------------------------

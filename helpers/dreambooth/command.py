@@ -8,10 +8,12 @@ Bad input is one ``error: ...`` line and exit code 2, before anything is loaded 
 from __future__ import annotations
 
 import logging
+import sys
 
 from helpers.core.errors import run_cli
 from helpers.dreambooth.config import DreamBoothConfig, parse_args
 from helpers.ranks import status
+from helpers.training.engine.checkpoints import INTERRUPTED, INTERRUPTED_EXIT
 from helpers.training.models import HubUnavailableError
 
 __all__ = ["cli", "main", "parse_args"]
@@ -31,4 +33,8 @@ def cli(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per checkpoint file otherwise
     status.start()  # under helpers.launch: this rank's lock and status, until the process is gone
-    return run_cli(main, parse_args, argv, also=(HubUnavailableError,))
+    try:
+        return run_cli(main, parse_args, argv, also=(HubUnavailableError,))
+    except KeyboardInterrupt:  # one line saying how to resume, not the traceback of wherever it hit
+        sys.stderr.write(f"\n{INTERRUPTED}\n")
+        return INTERRUPTED_EXIT

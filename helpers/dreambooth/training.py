@@ -421,7 +421,9 @@ def train_loop(run: Run, global_step: int, history: list[dict]) -> int:
     progress = tqdm(total=run.max_steps, initial=global_step, desc="dreambooth-lora", unit="step",
                     disable=not accelerator.is_local_main_process)  # fmt: skip
     start, sums, micro, checked = time.perf_counter(), torch.zeros(3), 0, global_step > 0
-    with cpu.keep_freed_memory():  # a step allocates and frees gigabytes at SD v1.5 size (cpu.py)
+    # A step allocates and frees gigabytes at SD v1.5 size (cpu.py). The bar is closed however the
+    # loop ends, so an error is printed on a line of its own.
+    with progress, cpu.keep_freed_memory():
         for epoch in range(first_epoch, num_epochs):
             run.sampler.epoch = epoch
             batches = (
@@ -460,7 +462,6 @@ def train_loop(run: Run, global_step: int, history: list[dict]) -> int:
                 and epoch % config.validation_epochs == 0
             ):
                 saving.validate_on_main(run, run.output_dir / SAMPLES / f"epoch-{epoch}", global_step)
-    progress.close()
     return global_step
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -89,9 +90,26 @@ def check_args(args: argparse.Namespace) -> None:
     """The checks that need no model: run before anything is loaded, so bad input fails in a second.
 
     Raises:
-        FileNotFoundError, InferenceInputError: the embeddings file is missing, empty, corrupt or
-            not finite; ``--output_dir`` is a file (or lies under one); ``--openvino_dir`` is not an export.
+        FileNotFoundError, InferenceInputError: a count below 1, a resolution that is not a
+            multiple of 8, a guidance scale that is not a number; the embeddings file is missing,
+            empty, corrupt or not finite; ``--output_dir`` is a file (or lies under one);
+            ``--openvino_dir`` is not an export.
     """
+    for name in ("num_inference_steps", "num_images_per_prompt", "repeats", "num_samples"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise InferenceInputError(f"--{name} {value}: must be at least 1")
+    resolution = getattr(args, "resolution", None)
+    if resolution is not None and (resolution < 8 or resolution % 8):
+        raise InferenceInputError(
+            f"--resolution {resolution}: must be a positive multiple of 8 (the VAE halves it three times), "
+            f"e.g. 512, or 64 for 'toyworld'; leave it out for the model's own size"
+        )
+    guidance = getattr(args, "guidance_scale", None)
+    if guidance is not None and not (math.isfinite(guidance) and guidance >= 0):
+        raise InferenceInputError(
+            f"--guidance_scale {guidance}: must be a finite number of 0 or more, e.g. 7.5"
+        )
     if args.learned_embeds is not None:
         read_learned_embeds(args.learned_embeds)
     out = getattr(args, "output_dir", None)

@@ -19,7 +19,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from helpers.core.errors import run_cli
+from helpers.core.errors import InputError, run_cli
 from helpers.toyworld import build, evaluate, world
 
 
@@ -42,6 +42,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_score_args(args: argparse.Namespace) -> None:
+    """Refuse counts that cannot work before any model loads (``--num_images 0`` was an IndexError).
+
+    Raises:
+        InputError: one line naming the flag and the fix.
+    """
+    for name in ("num_images", "num_inference_steps"):
+        value = getattr(args, name)
+        if value < 1:
+            raise InputError(f"--{name} {value}: must be at least 1 (leave the flag out for the default)")
+    if args.guidance_scale != args.guidance_scale or args.guidance_scale < 0:  # NaN or negative
+        raise InputError(f"--guidance_scale {args.guidance_scale}: must be a number of 0 or more")
+
+
 def main(args: argparse.Namespace) -> int:
     """Build (prints the model folder) or score (prints one JSON line)."""
     if args.command == "build":
@@ -50,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
     if args.command == "render-sample":
         print(*world.render_pip_pictures(args.dest), sep="\n")
         return 0
+    check_score_args(args)
     result = evaluate.score(args.model, args.prompt, args.learned_embeds, args.num_images, args.seed,
                             args.output_dir, args.guidance_scale, args.num_inference_steps)  # fmt: skip
     print(json.dumps(result))

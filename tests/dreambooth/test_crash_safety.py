@@ -76,6 +76,17 @@ def inspect(out: Path):
     return inspect_output_dir(out, saving.DREAMBOOTH)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Every run of this module on one thread. Two runs of the same settings on 2 threads are not
+    bit-identical on this machine's kernels (seen 2026-11-27: losses equal to 1e-6 for two steps,
+    then AdamW turns the difference into visibly other weights); on one thread they are, so the
+    comparisons below can be exact."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # cpu.set_threads reads it at each run's start
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run every case must end equal to."""

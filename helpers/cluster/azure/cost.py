@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from helpers.cluster import prices as azure_data
@@ -44,8 +45,15 @@ def estimate_cost(
         The estimate; ``str()`` of it is a labelled, dated breakdown.
 
     Raises:
-        AzureSpecError: the size has no price in the table and none was given.
+        AzureSpecError: ``hours`` is not a positive number, ``vm_price_per_hour`` not a number of 0
+            or more, or the size has no price in the table and none was given.
     """
+    if not (math.isfinite(hours) and hours > 0):
+        raise AzureSpecError(f"hours={hours:g}: must be a positive number of hours, e.g. --hours 8")
+    if vm_price_per_hour is not None and not (math.isfinite(vm_price_per_hour) and vm_price_per_hour >= 0):
+        raise AzureSpecError(
+            f"vm_price_per_hour={vm_price_per_hour:g}: must be a price in USD of 0 or more, e.g. 0.192"
+        )
     row = azure_data.size_series(spec.vm_size)
     if vm_price_per_hour is None:
         cpus = azure_data.vcpus(spec.vm_size)

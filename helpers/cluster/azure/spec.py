@@ -117,6 +117,10 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 }  # fmt: skip
 
 
+IPV4_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
+"""IPv6's spelling of IPv4 addresses (``::ffff:a.b.c.d``): judged by the IPv4 range they stand for."""
+
+
 def _check_ssh_source(cidr: str, allow_wide: bool) -> None:
     world = (
         f"ssh_source_cidr={cidr!r}: this opens SSH to the whole internet. Fix: use your public IP as a /32"
@@ -131,12 +135,20 @@ def _check_ssh_source(cidr: str, allow_wide: bool) -> None:
         raise AzureSpecError(
             f"ssh_source_cidr={cidr!r}: not a CIDR ({err}). Fix: e.g. 203.0.113.7/32"
         ) from None
+    shown = repr(cidr)
+    if net.version == 6 and net.prefixlen >= WIDEST_SSH_PREFIX[6]:  # wider ones are refused below
+        if net.supernet_of(IPV4_MAPPED):  # IPv4 addresses written as IPv6 ones: all of them
+            raise AzureSpecError(world)
+        if net.subnet_of(IPV4_MAPPED):  # judged as the IPv4 range it stands for
+            mapped = net.network_address.ipv4_mapped
+            net = ipaddress.ip_network(f"{mapped}/{net.prefixlen - IPV4_MAPPED.prefixlen}")
+            shown = f"{cidr!r} (the IPv4 range {net})"
     if net.prefixlen == 0:
         raise AzureSpecError(world)
     widest = WIDEST_SSH_PREFIX[net.version]
     if net.prefixlen < widest and allow_wide is not True:
         raise AzureSpecError(
-            f"ssh_source_cidr={cidr!r} allows SSH from {net.num_addresses:,} addresses "
+            f"ssh_source_cidr={shown} allows SSH from {net.num_addresses:,} addresses "
             f"(2^{net.max_prefixlen - net.prefixlen}), more than a /{widest}. Fix: use your public IP as a "
             f"/{net.max_prefixlen} (or your network's range, at most a /{widest}), or set "
             f"`allow_wide_ssh_source: true` if you mean it"

@@ -21,6 +21,14 @@ _NAME = re.compile(r"checkpoint-(\d+)")
 _STATE_FILE = "random_states_0.pkl"  # accelerate's save_state writes it for rank 0, whatever was prepared
 
 
+INTERRUPTED = (
+    "interrupted (Ctrl-C): the run stopped before it finished; its last complete checkpoint is kept. "
+    "Fix: resume it with the same command plus --resume_from_checkpoint latest"
+)
+"""The one line a training command prints when Ctrl-C stops it (exit code 130, as the shell's)."""
+INTERRUPTED_EXIT = 130
+
+
 def checkpoint_step(path: Path) -> int:
     """The step a checkpoint was saved at (``checkpoint-N`` → N)."""
     return int(_NAME.fullmatch(Path(path).name).group(1))
