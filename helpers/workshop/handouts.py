@@ -5,8 +5,9 @@ nbconvert page loads require.js, MathJax, mermaid and the widget manager from pu
 
 * the page template (``helpers/workshop/templates/handout``) leaves those scripts out,
 * diagrams are pictures already: each one is Graphviz source in ``notebooks/diagrams/*.dot``,
-  rendered to SVG by :func:`render_diagrams` and stored *inside* the notebook as a cell
-  attachment, so JupyterLab, GitHub and the handout all show the same picture with no plug-in,
+  rendered by :func:`render_diagrams` and stored *inside* the notebook as one cell attachment
+  holding a PNG first and an SVG second: JupyterLab draws an attachment's first type and only
+  raster ones, nbconvert prefers the SVG, so JupyterLab, GitHub and the handout all show it,
 * every widget output (a progress bar) becomes the text of its final state,
 * the outputs of :func:`helpers.workshop.notebooks.record` are dropped: they are for the tests, which
   read them from the ``.ipynb``; people read the tables and plots.
@@ -41,23 +42,42 @@ TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 DIAGRAM_DIR = NOTEBOOK_DIR / "diagrams"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
-# A diagram in a markdown cell: ![alt](attachment:NAME.svg), NAME being a file in DIAGRAM_DIR.
-_DIAGRAM_REF = re.compile(r"!\[[^\]]*\]\(attachment:(?P<name>[\w-]+)\.svg\)")
+# A diagram in a markdown cell: ![alt](attachment:NAME.png), NAME being a file in DIAGRAM_DIR
+# (NAME.svg: an SVG-only attachment of before, which render_diagrams rewrites to NAME.png).
+_DIAGRAM_REF = re.compile(r"!\[[^\]]*\]\(attachment:(?P<name>[\w-]+)\.(?P<ext>svg|png)\)")
+# 96 dpi: one Graphviz point per 1/72 inch drawn at CSS's 96 px per inch, the size the SVG shows at.
+DIAGRAM_DPI = 96
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
 # --- diagrams -------------------------------------------------------------------------------
 
 
-def render_svg(dot_file: str | os.PathLike, timeout: float = 60) -> str:
-    """Render one Graphviz file to SVG text with the ``dot`` program (Debian ``graphviz``)."""
+def _render(dot_file: str | os.PathLike, *options: str, timeout: float = 60) -> bytes:
+    """Run Graphviz's ``dot`` (Debian ``graphviz``) on one file with ``options``; its output."""
     dot = shutil.which("dot")
     if dot is None:
         raise InputError("the `dot` program is missing: install Graphviz (`apt-get install graphviz`)")
-    done = subprocess.run([dot, "-Tsvg", str(dot_file)], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([dot, *options, str(dot_file)], capture_output=True, timeout=timeout)
     if done.returncode != 0:
-        raise InputError(f"{dot_file}: Graphviz could not render it: {done.stderr.strip()}")
+        raise InputError(f"{dot_file}: Graphviz could not render it: {done.stderr.decode().strip()}")
     return done.stdout
+
+
+def render_svg(dot_file: str | os.PathLike, timeout: float = 60) -> str:
+    """Render one Graphviz file to SVG text."""
+    return _render(dot_file, "-Tsvg", timeout=timeout).decode()
+
+
+def render_png(dot_file: str | os.PathLike, dpi: int = DIAGRAM_DPI, timeout: float = 60) -> bytes:
+    """Render one Graphviz file to PNG bytes at ``dpi``."""
+    return _render(dot_file, "-Tpng", f"-Gdpi={dpi}", timeout=timeout)
+
+
+def diagram_attachment(dot_file: str | os.PathLike) -> dict[str, str]:
+    """The attachment bundle of one diagram: PNG first (what JupyterLab draws), then SVG."""
+    png, svg = render_png(dot_file), render_svg(dot_file).encode()
+    return {"image/png": base64.b64encode(png).decode(), "image/svg+xml": base64.b64encode(svg).decode()}
 
 
 def diagram_refs(notebook: dict) -> list[tuple[int, str]]:
@@ -75,18 +95,28 @@ def render_diagrams(
 ) -> list[str]:
     """Store the current rendering of every diagram a notebook references as its cell attachment.
 
-    Returns the names of the diagrams (re)rendered. The notebook is rewritten atomically and only
-    if an attachment changed, so running this twice leaves the file untouched.
+    Returns the names of the diagrams (re)rendered. A reference to ``NAME.svg`` becomes ``NAME.png``
+    (its SVG-only attachment dropped). The notebook is rewritten atomically and only if something
+    changed, so running this twice leaves the file untouched.
     """
     path = Path(notebook_path)
     nb = json.loads(path.read_text())
     changed = []
     for index, name in diagram_refs(nb):
-        svg = render_svg(Path(diagram_dir) / f"{name}.dot")
+        attachment = diagram_attachment(Path(diagram_dir) / f"{name}.dot")
         cell = nb["cells"][index]
-        attachment = {"image/svg+xml": base64.b64encode(svg.encode()).decode()}
-        if cell.get("attachments", {}).get(f"{name}.svg") != attachment:
-            cell.setdefault("attachments", {})[f"{name}.svg"] = attachment
+        source = "".join(cell["source"])
+        png_source = source.replace(f"(attachment:{name}.svg)", f"(attachment:{name}.png)")
+        attachments = cell.setdefault("attachments", {})
+        stored = attachments.get(f"{name}.png")
+        if (
+            png_source != source
+            or f"{name}.svg" in attachments
+            or list((stored or {}).items()) != list(attachment.items())
+        ):
+            cell["source"] = png_source.splitlines(keepends=True)
+            attachments.pop(f"{name}.svg", None)
+            attachments[f"{name}.png"] = attachment
             changed.append(name)
     if changed:
         write_text_atomic(path, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import json
 import re
 import shutil
@@ -32,7 +33,37 @@ def _diagram_labels(dot_file: Path) -> list[str]:
 
 
 def _attachment_svg(nb: dict, index: int, name: str) -> str:
-    return base64.b64decode(nb["cells"][index]["attachments"][f"{name}.svg"]["image/svg+xml"]).decode()
+    return base64.b64decode(nb["cells"][index]["attachments"][f"{name}.png"]["image/svg+xml"]).decode()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_diagrams_are_png_first_for_jupyterlab(path: Path):
+    """JupyterLab draws an attachment's first type, and only raster ones: the PNG must come first."""
+    nb = json.loads(path.read_text())
+    for index, name in handouts.diagram_refs(nb):
+        cell = nb["cells"][index]
+        assert f"(attachment:{name}.png)" in "".join(cell["source"])
+        bundle = cell["attachments"][f"{name}.png"]
+        assert list(bundle) == ["image/png", "image/svg+xml"]
+        png = Image.open(io.BytesIO(base64.b64decode(bundle["image/png"])))
+        svg_width_pt = float(re.search(r'<svg width="([\d.]+)pt"', _attachment_svg(nb, index, name))[1])
+        assert png.format == "PNG" and abs(png.width - svg_width_pt * 96 / 72) <= 2  # drawn at the SVG's size
+
+
+@needs_dot
+def test_render_diagrams_turns_an_svg_only_attachment_into_png_first(tmp_path):
+    nb = json.loads(NOTEBOOKS[1].read_text())
+    cell = nb["cells"][0]
+    cell["source"] = ["intro\n", "![the loop](attachment:textual_inversion.svg)\n"]
+    cell["attachments"] = {"textual_inversion.svg": {"image/svg+xml": "PHN2Zz4="}}
+    copy = tmp_path / "nb.ipynb"
+    copy.write_text(json.dumps(nb))
+    assert handouts.render_diagrams(copy) == ["textual_inversion"]
+    cell = json.loads(copy.read_text())["cells"][0]
+    assert cell["source"] == ["intro\n", "![the loop](attachment:textual_inversion.png)\n"]
+    assert list(cell["attachments"]) == ["textual_inversion.png"]
+    assert list(cell["attachments"]["textual_inversion.png"]) == ["image/png", "image/svg+xml"]
+    assert handouts.render_diagrams(copy) == []
 
 
 def test_every_diagram_source_is_shown_by_a_notebook():
@@ -145,7 +176,7 @@ def test_chromium_offline_draws_the_diagram_and_prints_a_pdf(tmp_path):
     nb = json.loads(NOTEBOOKS[1].read_text())
     nb["cells"] = nb["cells"][:1]  # the introduction with the Textual Inversion diagram
     broken = json.loads(json.dumps(nb))
-    broken["cells"][0]["attachments"]["textual_inversion.svg"]["image/svg+xml"] = base64.b64encode(
+    broken["cells"][0]["attachments"]["textual_inversion.png"]["image/svg+xml"] = base64.b64encode(
         b"<svg"
     ).decode()
     shots = {}
