@@ -592,9 +592,8 @@ def findings_in_records(name: str, records: dict, executed: dict, root: Path) ->
         "06_dreambooth_lora": "test_notebook_06_records",
     }.get(Path(name).stem)
     if check and records:
-        from workshop import (
-            test_notebooks as papermill_tests,  # tests/ is on sys.path (the rootdir's conftest.py)
-        )
+        # tests/ is on sys.path (the rootdir's conftest.py): the papermill tests' own checks
+        from workshop import test_notebooks as papermill_tests
 
         try:
             getattr(papermill_tests, check)(notebook_records=lambda _stem: records, notebook_run_dir=root)
