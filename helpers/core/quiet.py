@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import logging
 import warnings
 from collections.abc import Iterator
@@ -35,6 +36,9 @@ NOISE: dict[str, tuple[str, ...]] = {
         "You have disabled the safety checker",
     ),
     "optimum.intel.openvino.modeling_diffusion": ("You have disabled the safety checker",),
+    # optimum-intel's OpenVINO export (patching_utils.sdpa_mask_without_vmap, for transformers 5.4-5.9)
+    # passes the deprecated cache_position tensor on purpose: its converter expects that mask graph.
+    "transformers.masking_utils": ("`cache_position` is deprecated",),
     # CLIP's text encoder has no tensor-parallel plan; in a distributed run (data parallel, nothing
     # is meant to be sharded) transformers lists every one of its layers as "not sharded".
     "transformers.integrations.tensor_parallel": ("The following layers were not sharded",),
@@ -90,9 +94,24 @@ def tracing_quietly() -> Iterator[None]:
         yield
 
 
+class _Nowhere(io.TextIOBase):
+    """A text stream that keeps nothing (rich's console needs one with ``write``)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
 def quiet_weight_compression() -> None:
-    """NNCF prints its weight-compression statistics table at INFO; it sets its own logger's level
-    when imported, so the level is set through its API, after the import."""
+    """Quiet NNCF: its statistics table and its progress bars (about ten per notebook 05 run).
+
+    The table is logged at INFO; NNCF sets its own logger's level when imported, so the level is set
+    through its API, after the import. The bars (``nncf.common.logging.track_progress``, which has
+    no switch) draw on rich's global console, an output widget each in JupyterLab; nothing else in
+    the workshop uses that console, so it is pointed at a stream that is neither a terminal nor
+    Jupyter and keeps nothing.
+    """
     import nncf
+    import rich
 
     nncf.set_log_level(logging.ERROR)
+    rich.reconfigure(file=_Nowhere(), force_jupyter=False, force_terminal=False)

@@ -136,9 +136,14 @@ def _progress_text(model_id: str, states: dict[str, Any]) -> str | None:
     label, bar, numbers = parts
     if "max" not in bar:
         return None
-    percent = 100 * bar.get("value", 0) / (bar["max"] or 1)
-    text = f"{label.get('value', '')} {percent:3.0f}% {numbers.get('value', '')}"
-    return " ".join(html.unescape(re.sub(r"<[^>]+>", "", text)).split())
+
+    def plain(value: str) -> str:  # tqdm writes HTML with figure spaces (U+2007)
+        return " ".join(html.unescape(re.sub(r"<[^>]+>", "", value)).split())
+
+    left = plain(label.get("value", ""))
+    if not re.search(r"\d%$", left):  # tqdm's own label ends with the percentage; a custom one may not
+        left = f"{left} {100 * bar.get('value', 0) / (bar['max'] or 1):3.0f}%"
+    return plain(f"{left} {numbers.get('value', '')}")
 
 
 def handout_notebook(notebook: dict) -> dict:

@@ -57,6 +57,12 @@ def record(name: str, value: Any) -> Any:
     return value
 
 
+def record_all(values: Mapping[str, Any]) -> None:
+    """:func:`record` each name and value; returns None, so a cell ending with it echoes no ``Out[..]``."""
+    for name, value in values.items():
+        record(name, value)
+
+
 def table(rows: Mapping[str, Any] | list[Mapping[str, Any]], floatfmt: str = ".4g"):
     """A Markdown table for a notebook: a mapping becomes two columns, a list of mappings one row each."""
     from IPython.display import Markdown

@@ -138,6 +138,21 @@ def _executed_notebook() -> dict:
     }  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("label", "numbers", "expected"),
+    [
+        # tqdm.notebook's own label: the description and the percentage, spaces as U+2007
+        ("textual\u2007inversion:\u2007100%", "\u2007200/200\u2007[00:14&lt;00:00]", "textual inversion: 100% 200/200 [00:14<00:00]"),
+        ("loss", "3/4", "loss 75% 3/4"),  # a label without the percentage gets it from the bar
+    ],
+)  # fmt: skip
+def test_progress_text_shows_the_percentage_once(label, numbers, expected):
+    states = _widget_state(
+        "bar", label, 200 if "200" in numbers else 3, 200 if "200" in numbers else 4, numbers
+    )
+    assert handouts._progress_text("bar", states) == expected
+
+
 def test_handout_keeps_the_final_progress_line_and_drops_records_and_empty_widgets(tmp_path):
     nb = _executed_notebook()
     page = handouts.handout_notebook(nb)

@@ -143,3 +143,27 @@ def test_failing_cell_names_the_cell_and_keeps_no_output(tmp_path):
     with pytest.raises(notebooks.NotebookError, match=r"t.ipynb: cell 1 raised ValueError: bad input: x"):
         notebooks.run_notebook(src, tmp_path / "out.ipynb")
     assert not (tmp_path / "out.ipynb").exists() and (tmp_path / "out.failed.ipynb").exists()
+
+
+def _ends_with_a_record_call(source: str) -> bool:
+    body = ast.parse(source).body
+    last = body[-1] if body else None
+    if not (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)):
+        return False
+    func = last.value.func
+    return getattr(func, "attr", getattr(func, "id", None)) == "record"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_cell_ends_with_a_bare_record_call(path: Path):
+    """record() returns its value, so a cell ending with one shows a stray ``Out[..]`` in JupyterLab
+    and in the handout: such a cell ends with record_all() (which returns None) instead."""
+    nb = json.loads(path.read_text())
+    cells = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"]
+    assert [i for i in cells if _ends_with_a_record_call("".join(nb["cells"][i]["source"]))] == []
+
+
+def test_record_all_records_each_value_and_returns_none(caplog):
+    caplog.set_level("INFO", logger="helpers.workshop.notebooks")
+    assert notebooks.record_all({"loss": 0.25, "steps": [1, 2]}) is None
+    assert [r.getMessage() for r in caplog.records] == ["recorded loss = 0.25", "recorded steps = [1, 2]"]
