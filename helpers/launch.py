@@ -22,6 +22,11 @@ prints one message: the ranks that did not end, their last lines, and whether th
 complete (``run_summary.json`` written); the exit code is 0 only if they are. A rank that fails
 is named with its error, e.g. ``rank 1 failed: RuntimeError: ...``.
 
+The ranks' process group is ``--backend`` (``auto``: ``ccl``, the workshop's oneCCL backend, where
+``make setup`` built it and it loads, else ``gloo``; :mod:`helpers.ranks.backend`); ``--backend ccl``
+where it cannot load is one ``error:`` line naming what is missing, before anything is written.
+``--dry_run`` prints each oneCCL variable with its reason above the command.
+
 Not testable here: ssh to real machines (tests stand in a script for ssh and run every "node"
 on localhost).
 """
@@ -43,6 +48,7 @@ from helpers.core.errors import DistributedError
 from helpers.launching import commands, ray_train
 from helpers.launching.job import TRAIN_MODULES, check_seconds, prepare_job, run_job
 from helpers.launching.layout import DEFAULT_PORT, ClusterLayout, parse_hostfile, physical_cores
+from helpers.ranks.backend import BACKENDS
 
 LAUNCHERS = (*commands.LAUNCHERS, "ray")
 
@@ -58,6 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         epilog="Everything after -- goes to helpers.train, e.g. -- --pretrained_model_name_or_path tiny ...",
     )
     parser.add_argument("--launcher", choices=LAUNCHERS, default="mpirun")
+    parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
+                        help="the ranks' process group: ccl (oneCCL, built by make setup) or gloo; auto: ccl where built")  # fmt: skip
     parser.add_argument("--module", choices=TRAIN_MODULES, default="helpers.train",
                         help="what every rank runs; the flags after -- are its flags")  # fmt: skip
     parser.add_argument("--nproc_per_node", type=int, default=None,
@@ -100,7 +108,9 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("nproc_per_node", "num_nodes", "threads_per_process"):  # 0 used to run one process
         value = getattr(args, name, None)
         if value is not None and value < 1:
-            raise DistributedError(f"--{name} {value}: must be at least 1 (or leave the flag out for the default)")
+            raise DistributedError(
+                f"--{name} {value}: must be at least 1 (or leave the flag out for the default)"
+            )
     check_seconds(exit_grace_seconds=args.exit_grace_seconds, stall_seconds=args.stall_seconds, cli=True)
     _check_ray_options(args)
     if args.dry_run:  # printing commands for a cluster need not reach it from here
@@ -180,14 +190,16 @@ def main(args: argparse.Namespace) -> int:
         check_args(args)
         layout = layout_from_args(args)
         commands = prepare_job(layout, args.train_args, args.launcher, work_dir=args.work_dir, mpirun=args.mpirun,
-                               num_nodes=args.num_nodes or 1, ray_address=args.ray_address, module=args.module)  # fmt: skip
+                               num_nodes=args.num_nodes or 1, ray_address=args.ray_address, module=args.module,
+                               backend=args.backend)  # fmt: skip
     except (ValueError, *errors.INPUT_ERRORS) as err:  # DistributedError, ConfigError: nothing started
         print(f"error: {errors.one_line(err)}", file=sys.stderr)
         return 2
     if args.dry_run:
         for cmd in commands:
             where = "on the head node" if cmd.host is None else f"on node {cmd.node_rank} ({cmd.host})"
-            print(f"# {args.launcher}, {where}, from {os.getcwd()}:\n{cmd.shell()}")
+            notes = "".join(f"#   {note}\n" for note in cmd.notes)
+            print(f"# {args.launcher}, {where}, from {os.getcwd()}:\n{notes}{cmd.shell()}")
         return 0
     try:
         result = run_job(

@@ -203,6 +203,7 @@ def write_outputs(run: Run, global_step: int, history: list[dict]) -> dict[str, 
     made = run.class_images
     summary = {
         "world_size": accelerator.num_processes,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "steps": global_step,
         "final_loss": history[-1]["loss"] if history else None,
         "seconds_per_step": seconds_per_step,

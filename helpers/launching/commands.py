@@ -5,7 +5,12 @@
   of this interpreter, so non-interactive ssh shells on the workers need no ``PATH`` set up.
 * ``MASTER_ADDR``, ``MASTER_PORT`` and ``OMP_NUM_THREADS`` are always passed explicitly: under
   MPI accelerate reads the rank from ``PMI_RANK``/``OMPI_COMM_WORLD_RANK`` but still needs the
-  address, and would otherwise set one thread per process."""
+  address, and would otherwise set one thread per process.
+* On ``ccl`` every rank also gets oneCCL's variables (:func:`backend_variables`: transport,
+  shared memory or the interface between nodes, yielding workers), each with a one-line reason
+  that ``helpers.launch --dry_run`` prints as a comment before the command (``LaunchCommand.notes``).
+  mpirun passes them with ``-genv``/``-x`` like the others: the ranks' oneCCL bootstraps through
+  the c10d store, not through MPI, whichever MPI starts them (Intel MPI, MPICH, Open MPI)."""
 
 from __future__ import annotations
 
@@ -21,8 +26,9 @@ from pathlib import Path
 
 from helpers.core.errors import DistributedError
 from helpers.launching.accelerate_config import resolve_precision
-from helpers.launching.layout import ClusterLayout, MpiFlavour
-from helpers.ranks.backend import BACKEND_ENV
+from helpers.launching.layout import ClusterLayout, MpiFlavour, physical_cores
+from helpers.ranks import oneccl
+from helpers.ranks.backend import BACKEND_ENV, BACKENDS
 
 LAUNCHERS = ("mpirun", "torchrun")
 
@@ -65,12 +71,43 @@ def detect_mpi_flavour(mpirun: str | None = None) -> MpiFlavour:
     raise DistributedError(f"{mpirun} is not Intel MPI, MPICH or Open MPI (--version said {text[:200]!r})")
 
 
+def backend_variables(
+    layout: ClusterLayout, backend: str, nodes: int | None = None
+) -> list[tuple[str, str, str]]:
+    """The backend's own variables for every rank, as ``(name, value, one-line reason)``.
+
+    For ``ccl``: :func:`helpers.ranks.oneccl.environment` for this layout, with this machine's
+    physical cores standing for every node's (a cluster of like nodes). Nothing for ``gloo``.
+
+    Args:
+        layout: the cluster.
+        backend: ``"gloo"`` or ``"ccl"``.
+        nodes: nodes of the job when the layout does not list them (Ray); default the layout's.
+    """
+    if backend not in BACKENDS:
+        raise DistributedError(f"backend={backend!r}: use 'gloo' or 'ccl'")
+    if backend == "gloo":
+        return []
+    return oneccl.environment(
+        layout.nproc_per_node,
+        nodes or layout.num_machines,
+        physical_cores(),
+        int(layout.threads_per_process or 1),
+        layout.network_interface,
+    )
+
+
+def backend_notes(variables: list[tuple[str, str, str]]) -> tuple[str, ...]:
+    """``NAME=value: reason`` for each of :func:`backend_variables`, as the dry run shows them."""
+    return tuple(f"{name}={value}: {reason}" for name, value, reason in variables)
+
+
 def job_env(layout: ClusterLayout, backend: str = "gloo") -> dict[str, str]:
     """Environment variables every rank needs, whatever the launcher.
 
     Args:
         layout: the cluster.
-        backend: ``"gloo"`` or ``"ccl"`` (adds the oneCCL variables; untested here).
+        backend: ``"gloo"`` or ``"ccl"`` (adds :func:`backend_variables`).
     """
     env = {
         "MASTER_ADDR": str(layout.main_process_ip),
@@ -81,14 +118,7 @@ def job_env(layout: ClusterLayout, backend: str = "gloo") -> dict[str, str]:
     }
     if layout.network_interface:
         env["GLOO_SOCKET_IFNAME"] = layout.network_interface
-    if backend == "ccl":
-        env.update(CCL_WORKER_COUNT="1", CCL_ATL_TRANSPORT="ofi")
-        if layout.network_interface:
-            env["FI_TCP_IFACE"] = layout.network_interface
-    elif backend != "gloo":
-        raise DistributedError(
-            f"backend={backend!r}: use 'gloo' (or 'ccl' where oneccl_bindings_for_pytorch imports)"
-        )
+    env.update((name, value) for name, value, _ in backend_variables(layout, backend))
     return env
 
 
@@ -108,6 +138,7 @@ class LaunchCommand:
     rank_offset: int = 0  # global rank of this command's local rank 0 (torchrun)
     status_dir: str | None = None  # the ranks' status folder (helpers.launching.supervise), if they report
     output_dir: str | None = None  # the run's output_dir, where run_summary.json marks it complete
+    notes: tuple[str, ...] = ()  # why the backend's variables are set ("NAME=value: reason"), dry run
 
     def shell(self) -> str:
         """The command as one shell line, ``VAR=value ... program args``."""
@@ -187,7 +218,7 @@ def launch_commands(
         config_file: accelerate YAML every rank reads (must exist at this path on every node);
             None passes the same settings as flags.
         mixed_precision: for the inline accelerate flags when there is no config file.
-        backend: ``"gloo"`` or ``"ccl"`` (see :func:`select_backend`).
+        backend: ``"gloo"`` or ``"ccl"`` (see :func:`helpers.ranks.backend.resolve_backend`).
         entry: what accelerate launch / torchrun runs (``-m module`` or a script path).
         program: for mpirun only, replace each rank's whole command (tests, diagnostics).
         extra_env: more variables every rank gets (passed as the job's own, on every node).
@@ -201,6 +232,7 @@ def launch_commands(
     if launcher not in LAUNCHERS:
         raise DistributedError(f"launcher={launcher!r}: use one of {', '.join(LAUNCHERS)}")
     env = {**job_env(layout, backend), **(extra_env or {})}
+    notes = backend_notes(backend_variables(layout, backend))
     train_args = [str(a) for a in train_args]
     if launcher == "torchrun":
         rank_env = {k: v for k, v in env.items() if not k.startswith("MASTER_")}  # torchrun sets those
@@ -212,6 +244,7 @@ def launch_commands(
                 node_rank=k,
                 output_tags="torchrun",
                 rank_offset=k * layout.nproc_per_node,
+                notes=notes,
             )
             for k, host in enumerate(layout.hosts)
         ]
@@ -247,4 +280,6 @@ def launch_commands(
             argv += ["-x", f"{k}={v}"]
         argv += ["-x", "PATH"]  # Open MPI forwards nothing it is not told to
         tags = "openmpi"
-    return [LaunchCommand(argv=(*argv, *rank_argv, *train_args), env=launcher_env, output_tags=tags)]
+    return [
+        LaunchCommand(argv=(*argv, *rank_argv, *train_args), env=launcher_env, output_tags=tags, notes=notes)
+    ]

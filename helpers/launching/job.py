@@ -23,7 +23,7 @@ from helpers.launching import accelerate_config, ray_train, supervise
 from helpers.launching.commands import LaunchCommand, detect_mpi_flavour, find_mpirun, launch_commands
 from helpers.launching.layout import ClusterLayout, is_local_host, write_hostfile
 from helpers.launching.rank_output import Output, diagnose
-from helpers.ranks.backend import select_backend
+from helpers.ranks.backend import resolve_backend
 from helpers.ranks.status import STATUS_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -245,7 +245,9 @@ def prepare_job(
             so two runs never share it; must be visible at the same path on every node, or copied
             there).
         mpirun: the mpirun program (default: this environment's, see :func:`find_mpirun`).
-        backend: ``"gloo"``/``"ccl"`` (default :func:`helpers.ranks.backend.select_backend`).
+        backend: ``"auto"`` (None), ``"gloo"`` or ``"ccl"``, resolved by
+            :func:`helpers.ranks.backend.resolve_backend` before anything is written (``ccl`` where
+            it cannot load is a :class:`DistributedError`).
         num_nodes: ``"ray"`` only: nodes of the Ray cluster to spread the workers over.
         ray_address: ``"ray"`` only: ``"auto"`` or ``HOST:PORT`` of a running Ray cluster (default:
             a private Ray runtime on this machine, ended with the job).
@@ -268,6 +270,7 @@ def prepare_job(
             f"--{data_flag} {getattr(config, data_flag)} is not a folder here; give the concept images' folder "
             "(the same path on every node)"
         )
+    backend = resolve_backend(backend)
     if launcher == "ray" and module != "helpers.train":
         raise DistributedError(
             f"--launcher ray runs helpers.train only; run {module} with mpirun or torchrun"
@@ -279,6 +282,7 @@ def prepare_job(
         cmd = ray_train.driver_command(
             train_args, nproc_per_node=layout.nproc_per_node, num_nodes=num_nodes, ray_address=ray_address,
             threads_per_process=int(layout.threads_per_process or 1), work_dir=work_dir, status_dir=status_dir,
+            backend=backend,
         )  # fmt: skip
         return [dataclasses.replace(cmd, status_dir=status_dir, output_dir=str(output_dir))]
     configs = accelerate_config.write_accelerate_configs(layout, work_dir, config.mixed_precision)
@@ -291,7 +295,7 @@ def prepare_job(
             write_hostfile(layout, hostfile, flavour)
         kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
     commands = launch_commands(
-        layout, train_args, launcher, backend=backend or select_backend(),
+        layout, train_args, launcher, backend=backend,
         extra_env={STATUS_DIR_ENV: status_dir}, entry=("-m", module), log_dir=work_dir / "torchrun",
         **kwargs,
     )  # fmt: skip

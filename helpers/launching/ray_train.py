@@ -20,12 +20,17 @@ The driver
   against this one (Ray's own check, turned into one line), the Ray, torch and Python versions of
   every node, and enough CPUs for ``N x M`` workers of ``threads_per_process`` CPUs each;
 * runs ``TorchTrainer`` with ``N x M`` workers (``resources_per_worker={"CPU": threads}``,
-  gloo). Ray sets up the process group and the variables ``RANK``, ``WORLD_SIZE``,
+  gloo: ``TorchConfig(backend="ccl")`` cannot work, Ray's workers call ``init_process_group`` before
+  any code of ours runs in them, so ``ccl`` is not registered there yet). Ray sets up the process group and the variables ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` and
   ``ACCELERATE_TORCH_DEVICE`` before the worker function runs; accelerate's ``Accelerator(cpu=True)``
   then sees a multi-CPU job whose group already exists and uses it instead of creating one
   (``PartialState`` only calls ``init_process_group`` when ``torch.distributed`` is not
   initialised), so each worker calls the same ``train(TrainConfig)`` as ``helpers.train`` does;
+* on ``--backend ccl`` (or ``auto`` where it is built) the workers get ``WORKSHOP_BACKEND=ccl`` and
+  oneCCL's variables, and :func:`helpers.ranks.backend.init_backend` (the engine calls it before
+  ``Accelerator()``) replaces Ray's gloo group by a ccl one with the same ranks (tested:
+  ``tests/launching/test_launch.py``, the Ray run of ``engine_runs``);
 * shows one progress bar fed by ``ray.train.report`` (each worker reports step, loss and
   images/s after every optimizer step), and writes what was reported, the start-up times and the
   nodes' versions to ``<work_dir>/ray_run.json``. The engine's own outputs, ``history.json``
@@ -68,9 +73,11 @@ from typing import Any, TextIO
 from helpers.core.errors import DistributedError, InputError
 from helpers.core.files import write_text_atomic
 from helpers.launching import supervise
-from helpers.launching.commands import LaunchCommand
+from helpers.launching.commands import LaunchCommand, backend_notes, backend_variables
+from helpers.launching.layout import ClusterLayout
 from helpers.launching.rank_output import FAILED_TAG, SECONDARY, WORKER_TAG
 from helpers.ranks import faults, status
+from helpers.ranks.backend import BACKEND_ENV, BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -189,14 +196,24 @@ def driver_command(
     ray_address: str | None,
     work_dir: str | os.PathLike,
     status_dir: str,
+    backend: str = "gloo",
 ) -> LaunchCommand:
     """The one command :func:`helpers.launch.run_job` starts for a Ray job: this module's driver."""
     argv = [sys.executable, "-m", "helpers.launching.ray_train", "--nproc_per_node", str(nproc_per_node),
             "--num_nodes", str(num_nodes), "--threads_per_process", str(threads_per_process),
-            "--work_dir", str(Path(work_dir).resolve()), "--status_dir", status_dir]  # fmt: skip
+            "--work_dir", str(Path(work_dir).resolve()), "--status_dir", status_dir, "--backend", backend]  # fmt: skip
     if ray_address:
         argv += ["--ray_address", ray_address]
-    return LaunchCommand(argv=(*argv, "--", *map(str, train_args)), output_tags="ray")
+    notes = backend_notes(worker_backend_variables(nproc_per_node, num_nodes, threads_per_process, backend))
+    return LaunchCommand(argv=(*argv, "--", *map(str, train_args)), output_tags="ray", notes=notes)
+
+
+def worker_backend_variables(
+    nproc_per_node: int, num_nodes: int, threads_per_process: int, backend: str
+) -> list[tuple[str, str, str]]:
+    """The backend's variables every worker sets before the engine starts (nodes like this one)."""
+    layout = ClusterLayout.local(nproc_per_node, threads_per_process=threads_per_process)
+    return backend_variables(layout, backend, nodes=num_nodes)
 
 
 # --- the worker: one rank of the engine in a Ray Train worker ---------------------------------------------
@@ -236,7 +253,7 @@ class _StepReporter:
     a report at every 0.1-s step of a small model would hold every step up to a second. So rank 0
     decides after each step whether a report is due (its first step, the last, or
     ``REPORT_SECONDS`` since the last report) and broadcasts the decision (4 bytes over the
-    job's gloo group, after the engine's own all-reduce), and every worker reports at that step.
+    job's process group, after the engine's own all-reduce), and every worker reports at that step.
     Rank 0's loss is read from its progress bar; the seconds per step are averaged since the
     last report.
     """
@@ -568,9 +585,11 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     sink = work_dir / "ray_reports.jsonl"
     sink.unlink(missing_ok=True)
+    variables = worker_backend_variables(args.nproc_per_node, args.num_nodes, threads, args.backend)
+    env = {status.STATUS_DIR_ENV: args.status_dir, "OMP_NUM_THREADS": str(threads), BACKEND_ENV: args.backend}
     job = {
         "config": config.to_dict(),
-        "env": {status.STATUS_DIR_ENV: args.status_dir, "OMP_NUM_THREADS": str(threads)},
+        "env": {**env, **{name: value for name, value, _ in variables}},
         "images_per_step": config.train_batch_size * config.gradient_accumulation_steps * world,
     }
     trainer = TorchTrainer(
@@ -659,6 +678,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ray_address", default=None)
     parser.add_argument("--work_dir", required=True)
     parser.add_argument("--status_dir", required=True)
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo")
     args = parser.parse_args(argv[:split])
     args.train_args = argv[split + 1 :]
     return args

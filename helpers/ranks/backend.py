@@ -1,72 +1,109 @@
-"""The process group every rank starts: ``gloo``, or ``ccl`` (oneCCL) where it is built.
+"""The process group every rank starts: ``gloo``, or ``ccl`` (oneCCL) where it can be used.
 
-The launcher chooses the backend (:func:`select_backend`) and puts it in every rank's
-environment (``WORKSHOP_BACKEND``); each rank starts it with :func:`init_backend` just before
-``Accelerator()``."""
+The launcher resolves ``--backend`` (:func:`resolve_backend`: ``auto`` is ``ccl`` where
+:func:`helpers.ranks.oneccl.available`, else ``gloo``) and puts the choice in every rank's
+environment (``WORKSHOP_BACKEND``, with oneCCL's variables from
+:func:`helpers.ranks.oneccl.environment`); each rank starts it with :func:`init_backend` just
+before ``Accelerator()``. ``ccl`` is the workshop's own extension (:mod:`helpers.ranks.oneccl`), or
+Intel's ``oneccl_bindings_for_pytorch`` where that imports.
+
+Tested here (``tests/launching/test_launch.py``, ``test_netns.py``): the engine on ccl under
+mpirun, torchrun and Ray gives the gloo run's embeddings; ccl across two network namespaces; a
+killed rank ends a ccl job as a gloo one; ``--backend ccl`` where it cannot load is one line.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 
+import torch.distributed as dist
+
 from helpers.core.errors import DistributedError
+from helpers.ranks import oneccl
+
+BACKENDS = ("gloo", "ccl")
+BACKEND_ENV = "WORKSHOP_BACKEND"  # set by job_env for every rank: the backend the launcher chose
 
 
 def select_backend() -> str:
-    """``"ccl"`` if the oneCCL bindings import, else ``"gloo"`` (the one tested here)."""
-    if importlib.util.find_spec("oneccl_bindings_for_pytorch") is None:
-        return "gloo"
-    try:
-        import oneccl_bindings_for_pytorch  # noqa: F401  # registers the ccl backend with torch
-    except Exception:  # noqa: BLE001 - a broken install falls back to the backend that works
-        return "gloo"
-    return "ccl"
+    """``"ccl"`` where it can be used here (built and loads, or the official bindings), else ``"gloo"``."""
+    return "ccl" if oneccl.available()[0] else "gloo"
 
 
-BACKEND_ENV = "WORKSHOP_BACKEND"  # set by job_env for every rank: the backend the launcher chose
+def resolve_backend(requested: str | None = "auto") -> str:
+    """The backend a job runs on: ``auto`` (or None) is :func:`select_backend`.
+
+    Raises:
+        DistributedError: ``ccl`` asked for where it cannot be used (one line: what is missing and
+            the fix), or an unknown name.
+    """
+    if requested in (None, "auto"):
+        return select_backend()
+    if requested == "ccl":
+        ok, reason = oneccl.available()
+        if not ok:
+            raise DistributedError(f"--backend ccl: {reason} (or use --backend gloo)")
+    elif requested != "gloo":
+        raise DistributedError(f"--backend {requested}: use auto, gloo or ccl")
+    return requested
+
+
+def _env_int(*names: str, default: int) -> int:
+    return int(next((os.environ[n] for n in names if os.environ.get(n)), default))
 
 
 def init_backend(backend: str | None = None) -> str:
     """Start the process group with ``backend`` before accelerate does, where accelerate cannot.
 
-    accelerate 1.15 always starts ``gloo`` on CPUs. For ``ccl`` this starts the group first
-    (accelerate then reuses it); for ``gloo`` it does nothing. The trainers call it just before
-    ``Accelerator()`` (:func:`helpers.training.engine.setup.make_accelerator`), with the backend the launcher
-    put in every rank's environment (``WORKSHOP_BACKEND``, from :func:`job_env`); a process
-    started without a launcher uses ``gloo``. The ``ccl`` path is untested here (the bindings are
-    not installable).
+    accelerate 1.15 always starts ``gloo`` on CPUs and reuses a group that exists. For ``ccl``
+    this registers the backend (:func:`helpers.ranks.oneccl.load`) and starts the group first;
+    for ``gloo`` it does nothing. Ray Train has already started a gloo group in its workers (it
+    cannot create a backend it does not know); that one is replaced by a ccl group (rank 0 picks a
+    new port and sends it over the gloo group). Rank and world size come from ``RANK``/``WORLD_SIZE``
+    (torchrun, Ray) or MPI's variables (mpirun); the address from ``MASTER_ADDR``/``MASTER_PORT``.
 
     Args:
         backend: ``"gloo"`` or ``"ccl"`` (default: ``$WORKSHOP_BACKEND``, else ``"gloo"``).
 
     Returns:
         The backend in use.
+
+    Raises:
+        DistributedError: ``ccl`` cannot be loaded on this node, or an unknown backend.
     """
     backend = backend or os.environ.get(BACKEND_ENV) or "gloo"
-    if backend == "ccl":
-        import torch.distributed as dist
-
-        try:
-            import oneccl_bindings_for_pytorch  # noqa: F401  # registers the ccl backend with torch
-        except ImportError as e:
-            raise DistributedError(
-                f"backend 'ccl' ({BACKEND_ENV}) needs oneccl_bindings_for_pytorch, which does not import "
-                f"on {socket.gethostname()} ({e}): install it on every node, or launch with gloo"
-            ) from e
-
-        if not dist.is_initialized():
-            rank = int(
-                os.environ.get("RANK")
-                or os.environ.get("PMI_RANK")
-                or os.environ.get("OMPI_COMM_WORLD_RANK", 0)
-            )
-            size = int(
-                os.environ.get("WORLD_SIZE")
-                or os.environ.get("PMI_SIZE")
-                or os.environ.get("OMPI_COMM_WORLD_SIZE", 1)
-            )
-            dist.init_process_group("ccl", rank=rank, world_size=size)
-    elif backend != "gloo":
+    if backend not in BACKENDS:
         raise DistributedError(f"{BACKEND_ENV}={backend!r}: use 'gloo' or 'ccl'")
+    if backend == "gloo":
+        return backend
+    try:
+        oneccl.load()
+    except (oneccl.CclUnavailable, OSError) as err:
+        raise DistributedError(
+            f"backend 'ccl' ({BACKEND_ENV}) cannot be used on {socket.gethostname()}: {err} "
+            "(on every node), or launch with --backend gloo"
+        ) from err
+    if dist.is_initialized():
+        if dist.get_backend() == backend:
+            return backend
+        _replace_group(backend)
+        return backend
+    rank = _env_int("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", default=0)
+    size = _env_int("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
+    dist.init_process_group(backend, rank=rank, world_size=size)
     return backend
+
+
+def _replace_group(backend: str) -> None:
+    """Replace the default group (Ray's gloo) by one on ``backend`` with the same ranks."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    port = [0]
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port[0] = s.getsockname()[1]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    address = f"tcp://{os.environ['MASTER_ADDR']}:{port[0]}"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size)

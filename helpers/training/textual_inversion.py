@@ -390,6 +390,7 @@ def _summary(run: Run, history: list[dict], steps: int) -> dict:
     counter = run.counter
     return {
         "world_size": accelerator.num_processes,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "steps": steps,
         "final_loss": history[-1]["loss"] if history else None,
         "seconds_per_step": seconds_per_step,

@@ -28,7 +28,7 @@ from helpers.launching.layout import (
     physical_cores,
     write_hostfile,
 )
-from helpers.ranks import backend
+from helpers.ranks import backend, oneccl
 from helpers.workshop import forms
 
 HOSTS4 = ("node1", "node2", "node3", "node4")
@@ -249,33 +249,79 @@ def test_detect_rejects_a_program_that_is_not_mpi():
         commands.detect_mpi_flavour(shutil.which("python3") or sys.executable)
 
 
-def test_ranks_start_the_backend_the_launcher_put_in_their_environment(monkeypatch):
+@pytest.fixture
+def no_ccl_build(monkeypatch, tmp_path):
+    """This process as on a machine where ``make setup`` did not build the ccl extension: its build
+    folder is an empty one (the wheels stay installed) and nothing is loaded yet."""
+    monkeypatch.setattr(oneccl, "CACHE", tmp_path / "no-ccl-build")
+    monkeypatch.setattr(oneccl, "_loaded", None)
+
+
+NOT_BUILT = "the ccl extension is not built for this torch and oneCCL: run `make setup`"
+
+
+def test_ranks_start_the_backend_the_launcher_put_in_their_environment(monkeypatch, no_ccl_build):
     """init_backend (called by both trainers before Accelerator()) reads WORKSHOP_BACKEND: gloo
-    is left to accelerate; ccl without its bindings and an unknown name are one clear error."""
+    is left to accelerate; ccl where it is not built and an unknown name are one clear error."""
     import torch.distributed as dist
 
     monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     assert backend.init_backend() == "gloo" and not dist.is_initialized()
     monkeypatch.setenv(backend.BACKEND_ENV, "ccl")
-    with pytest.raises(
-        errors.DistributedError, match="needs oneccl_bindings_for_pytorch, which does not import"
-    ):
+    with pytest.raises(errors.DistributedError) as raised:
         backend.init_backend()
+    assert str(raised.value) == (
+        f"backend 'ccl' (WORKSHOP_BACKEND) cannot be used on {socket.gethostname()}: {NOT_BUILT} "
+        "(on every node), or launch with --backend gloo"
+    )
     assert not dist.is_initialized()
     monkeypatch.setenv(backend.BACKEND_ENV, "nccl")
     with pytest.raises(errors.DistributedError, match="WORKSHOP_BACKEND='nccl': use 'gloo' or 'ccl'"):
         backend.init_backend()
 
 
-def test_backend_is_gloo_here_and_env_is_explicit():
-    assert backend.select_backend() == "gloo"  # oneccl_bindings_for_pytorch is not installable here
+def test_backend_auto_is_ccl_where_it_loads_and_gloo_where_not_built(no_ccl_build):
+    assert backend.select_backend() == "gloo"
+    assert backend.resolve_backend("auto") == backend.resolve_backend(None) == "gloo"
+    assert backend.resolve_backend("gloo") == "gloo"
+    with pytest.raises(errors.DistributedError) as raised:
+        backend.resolve_backend("ccl")
+    assert str(raised.value) == f"--backend ccl: {NOT_BUILT} (or use --backend gloo)"
+    with pytest.raises(errors.DistributedError, match="--backend nccl: use auto, gloo or ccl"):
+        backend.resolve_backend("nccl")
+
+
+def test_backend_auto_is_ccl_where_built():
+    ok, reason = oneccl.available()
+    if not ok:
+        pytest.skip(f"ccl cannot be used here: {reason}")
+    assert (
+        backend.select_backend() == backend.resolve_backend("auto") == backend.resolve_backend("ccl") == "ccl"
+    )
+
+
+def test_job_env_is_explicit_and_ccl_adds_oneccls_variables_with_reasons():
     layout = ClusterLayout(HOSTS4, nproc_per_node=4, threads_per_process=6, network_interface="eth1")
     env = commands.job_env(layout)
     assert env == {
         "MASTER_ADDR": "node1", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "6",
         "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth1", "WORKSHOP_BACKEND": "gloo",
     }  # fmt: skip
-    assert {"CCL_WORKER_COUNT", "CCL_ATL_TRANSPORT", "FI_TCP_IFACE"} <= set(commands.job_env(layout, "ccl"))
+    variables = oneccl.environment(4, 4, physical_cores(), 6, "eth1")
+    assert commands.backend_variables(layout, "ccl") == variables
+    assert commands.job_env(layout, "ccl") == {
+        **env,
+        "WORKSHOP_BACKEND": "ccl",
+        **{n: v for n, v, _ in variables},
+    }
+    ccl = commands.job_env(layout, "ccl")
+    assert (ccl["FI_PROVIDER"], ccl["FI_TCP_IFACE"], ccl["CCL_KVS_IFACE"]) == ("tcp", "eth1", "eth1")
+    assert commands.backend_variables(layout, "gloo") == []
+    (cmd,) = commands.launch_commands(
+        layout, [], "mpirun", flavour=MpiFlavour.MPICH, mpirun="mpirun", backend="ccl"
+    )
+    assert cmd.notes == tuple(f"{n}={v}: {why}" for n, v, why in variables)
+    assert "-genv FI_TCP_IFACE eth1" in cmd.shell() and "-genv WORKSHOP_BACKEND ccl" in cmd.shell()
     with pytest.raises(errors.DistributedError, match="backend='nccl'"):
         commands.job_env(layout, "nccl")
 

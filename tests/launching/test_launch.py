@@ -22,24 +22,30 @@ import pytest
 import torch
 
 from helpers import launch
+from helpers.cluster import scaling
 from helpers.core import errors
 from helpers.launching import commands, job, rank_output, supervise
 from helpers.launching.layout import ClusterLayout, free_port
-from helpers.ranks import faults
+from helpers.ranks import faults, oneccl
+from helpers.ranks.backend import select_backend
 from helpers.training import data
 
-# A launcher test script: joins the gloo group through accelerate, then behaves as MODE says.
+# A launcher test script: joins the group through accelerate (on the backend the launcher chose:
+# init_backend starts ccl first, as the trainers do), then behaves as MODE says.
 RANKS_SCRIPT = """
 import os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 from accelerate import Accelerator
+from helpers.ranks.backend import init_backend
 
+init_backend()
 acc = Accelerator(cpu=True)
 rank, world = acc.process_index, acc.num_processes
 t = torch.tensor([rank + 1.0])
 dist.all_reduce(t)
-print(f"rank {rank} of {world} sum {t.item():g} threads {torch.get_num_threads()}", flush=True)
+print(f"rank {rank} of {world} sum {t.item():g} threads {torch.get_num_threads()} backend {dist.get_backend()}",
+      flush=True)
 Path(os.environ["PID_DIR"], f"pid{rank}").write_text(str(os.getpid()))
 mode = os.environ.get("MODE", "ok")
 if mode == "crash" and rank == 1:
@@ -78,7 +84,7 @@ def script(tmp_path, monkeypatch) -> Path:
 
 
 def small_job(
-    script: Path, launcher: str, mpirun: str | None = None, nodes: int = 1
+    script: Path, launcher: str, mpirun: str | None = None, nodes: int = 1, backend: str = "gloo"
 ) -> list[commands.LaunchCommand]:
     if nodes == 1:
         layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
@@ -86,7 +92,13 @@ def small_job(
         layout = ClusterLayout(tuple(f"node{k}" for k in range(nodes)), 1, main_process_ip="127.0.0.1",
                                  main_process_port=free_port(), threads_per_process=1)  # fmt: skip
     return commands.launch_commands(
-        layout, [], launcher, mpirun=mpirun, entry=[str(script)], log_dir=script.parent / "logs"
+        layout,
+        [],
+        launcher,
+        mpirun=mpirun,
+        entry=[str(script)],
+        log_dir=script.parent / "logs",
+        backend=backend,
     )
 
 
@@ -167,8 +179,20 @@ def test_two_ranks_form_one_group_and_a_crash_fails_the_job(script, launcher, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["intel", "torchrun"])
-def test_killing_a_rank_mid_run_fails_the_job_within_the_bound(script, launcher, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("launcher", "backend"), [("intel", "gloo"), ("torchrun", "gloo"), ("intel", "ccl"), ("torchrun", "ccl")]
+)
+def test_killing_a_rank_mid_run_fails_the_job_within_the_bound(
+    script, launcher, backend, tmp_path, monkeypatch
+):
+    """Both ranks all-reduce in a loop; rank 1 is killed. The job ends, naming rank 1, on either backend.
+
+    On gloo the survivor's all-reduce fails at once. On ccl under Intel MPI it does not (oneCCL's
+    shared-memory transport does not see a dead peer; it would wait for the group's 30-min
+    timeout, and Hydra leaves it running): helpers.launch stops it once ``exit_grace_seconds``
+    have passed since rank 1's failure, as it stops any rank that outlives a failed one."""
+    if backend == "ccl" and not CCL_OK:
+        pytest.skip(f"ccl cannot be used here: {CCL_REASON}")
     monkeypatch.setenv("MODE", "wait")  # both ranks all-reduce for 60 s unless stopped
     pid_file = tmp_path / "pid1"
     killed_at = []
@@ -182,9 +206,10 @@ def test_killing_a_rank_mid_run_fails_the_job_within_the_bound(script, launcher,
 
     threading.Thread(target=kill_rank_1, daemon=True).start()
     mpirun = None if launcher == "torchrun" else mpirun_for(launcher)
-    result = job.run_job(small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun),
-                            stream=io.StringIO(), timeout=120)  # fmt: skip
+    result = job.run_job(small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun, backend=backend),
+                            stream=io.StringIO(), timeout=120, exit_grace_seconds=10)  # fmt: skip
     assert killed_at and time.monotonic() - killed_at[0] < 60
+    assert any(ln.endswith(f"backend {backend}") for ln in result.tails[1])  # killed before it printed more
     assert result.returncode != 0 and result.failed_rank == 1
     assert "SIGKILL" in result.error or "-9" in result.error
 
@@ -301,20 +326,28 @@ def learned(out: Path) -> torch.Tensor:
     return load_file(out / "learned_embeds.safetensors")["<dicoo>"]
 
 
+CCL_OK, CCL_REASON = oneccl.available()  # (False, what is missing and the fix) where ccl cannot load
+AUTO = select_backend()  # what --backend auto gives here: ccl where it loads
+
+
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory) -> dict[str, Path]:
-    """The same steps: through mpirun (2 x batch 1), torchrun (2 x batch 1), Ray Train (2 workers x
-    batch 1), one process (batch 2); and 2 x batch 1 x 2 accumulated micro-batches (mpirun) against
-    one process with batch 4. ``half``: one process with batch 1, the control that trained on half
-    the data."""
+    """The same steps: through mpirun (2 x batch 1, gloo), mpirun on ccl (where it loads), torchrun
+    (2 x batch 1), Ray Train (2 workers x batch 1), one process (batch 2); and 2 x batch 1 x 2
+    accumulated micro-batches (mpirun) against one process with batch 4. ``half``: one process with
+    batch 1, the control that trained on half the data. torchrun, Ray and the accumulated run use
+    ``--backend auto`` (:data:`AUTO`: ccl here where it is built)."""
     pytest.importorskip("helpers.train")
     root = tmp_path_factory.mktemp("engine")
     runs = {}
-    for name, launcher, accumulation in [("mpirun", "mpirun", 1), ("torchrun", "torchrun", 1), ("ray", "ray", 1),
-                                         ("mpirun_accumulated", "mpirun", 2)]:  # fmt: skip
+    jobs = [("mpirun", "mpirun", 1, "gloo"), ("torchrun", "torchrun", 1, "auto"), ("ray", "ray", 1, "auto"),
+            ("mpirun_accumulated", "mpirun", 2, "auto")] + [("mpirun_ccl", "mpirun", 1, "ccl")] * CCL_OK  # fmt: skip
+    for name, launcher, accumulation, backend in jobs:
         out = root / name
         layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
-        commands = job.prepare_job(layout, train_args(out, accumulation=accumulation), launcher)
+        commands = job.prepare_job(
+            layout, train_args(out, accumulation=accumulation), launcher, backend=backend
+        )
         job.run_job(commands, stream=io.StringIO(), cwd=root, timeout=600).raise_for_failure()
         runs[name] = out
     for name, batch in [("single", 2), ("single_batch_4", 4), ("half", 1)]:
@@ -326,10 +359,13 @@ def engine_runs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["mpirun", "torchrun", "ray"])
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun", "ray", "mpirun_ccl"])
 def test_two_ranks_train_and_end_bitwise_identical(engine_runs, launcher):
+    if launcher not in engine_runs:
+        pytest.skip(f"no ccl run: {CCL_REASON}")
     summary = json.loads((engine_runs[launcher] / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == STEPS
+    assert summary["backend"] == {"mpirun": "gloo", "mpirun_ccl": "ccl"}.get(launcher, AUTO)
     assert summary["embeddings_identical_across_ranks"] is True
     hidden, num_vectors = 32, 1  # the tiny text encoder
     assert summary["allreduce_bytes_per_step"] == num_vectors * hidden * 4
@@ -340,6 +376,19 @@ def test_two_ranks_train_and_end_bitwise_identical(engine_runs, launcher):
     if launcher == "torchrun":  # helpers.launch gives torchrun a log folder in the run's launch/
         logs = engine_runs[launcher] / "launch" / "torchrun"
         assert sorted(p.parent.name for p in logs.glob("*/attempt_0/*/stderr.log")) == ["0", "1"]
+
+
+@pytest.mark.slow
+def test_the_ccl_run_learns_the_gloo_runs_embeddings(engine_runs):
+    """The same 2-process job (mpirun, 2 x batch 1) on ccl and on gloo: the same learned row and
+    losses. Two ranks' sums have one rounding whatever the backend, so they agree bitwise."""
+    if "mpirun_ccl" not in engine_runs:
+        pytest.skip(f"no ccl run: {CCL_REASON}")
+    ccl, gloo = engine_runs["mpirun_ccl"], engine_runs["mpirun"]
+    assert json.loads((ccl / "run_summary.json").read_text())["backend"] == "ccl"
+    assert json.loads((gloo / "run_summary.json").read_text())["backend"] == "gloo"
+    torch.testing.assert_close(learned(ccl), learned(gloo), rtol=0, atol=0)
+    assert history_losses(ccl) == history_losses(gloo)
 
 
 @pytest.mark.slow
@@ -421,6 +470,13 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
     assert r["preflight_problems"] == 0 and r["final_loss"] > 0
     assert " -n 2 -ppn 2 " in r["command"] and "accelerate.commands.launch --config_file" in r["command"]
     assert (notebook_run_dir / "outputs" / "pip-toyworld-mpirun" / "learned_embeds.safetensors").is_file()
+    # the backend: ccl where it is built (as the guides run), its variables in the command; gloo's step from the bench
+    assert r["backend"] == r["ray_backend"] == AUTO
+    assert ("-genv CCL_ATL_TRANSPORT ofi" in r["command"]) == (AUTO == "ccl")
+    effect = scaling.backend_effect()
+    assert r["gloo_over_ccl_step"] == (
+        effect.seconds_per_step["gloo"] / effect.seconds_per_step["ccl"] if effect else None
+    )
     assert (
         r["concept_score"] >= 0.7
     )  # the cluster run learned Pip too (the judge's mean probability, 8 pictures)
@@ -439,6 +495,7 @@ def test_notebook_04_records(notebook_records, notebook_run_dir):
     (mpirun,), torchrun = r["example_commands"]["mpirun"], r["example_commands"]["torchrun"]
     assert " -f cluster/hostfile -n 6 -ppn 2 " in mpirun and "-genv MASTER_ADDR 10.42.1.4" in mpirun
     assert "-genv OMP_NUM_THREADS 2" in mpirun
+    assert ("-genv FI_PROVIDER tcp" in mpirun) == (AUTO == "ccl")  # 3 nodes: libfabric's tcp between them
     assert [c.split("--node_rank ")[1].split()[0] for c in torchrun] == ["0", "1", "2"]
     assert all("--nnodes 3 " in c and "--master_addr 10.42.1.4 " in c for c in torchrun)
 

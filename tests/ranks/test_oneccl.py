@@ -252,6 +252,7 @@ def test_environment_chooses_the_transport():
     assert one["CCL_ATL_TRANSPORT"] == "ofi"
     assert (one["FI_PROVIDER"], one["CCL_ATL_SHM"]) == ("shm", "1")
     assert one["CCL_YIELD"] == "sched_yield"  # 2 ranks x (1 thread + 1 worker) > 2 cores
+    assert one["CCL_LOG_LEVEL"] == "error"  # not a CCL_WARN line per variable on every rank
     many = {n: v for n, v, _ in oneccl.environment(1, 2, 8, 2, interface="eth1")}
     assert many["FI_PROVIDER"] == "tcp" and many["FI_TCP_IFACE"] == many["CCL_KVS_IFACE"] == "eth1"
     assert "CCL_ATL_SHM" not in many and "CCL_YIELD" not in many

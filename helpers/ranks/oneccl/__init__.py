@@ -339,6 +339,11 @@ def environment(
             "oneCCL over libfabric (its mpi transport needs Intel MPI's mpirun around every rank)",
         ),
         ("CCL_WORKER_COUNT", "1", "one oneCCL progress thread per rank"),
+        (
+            "CCL_LOG_LEVEL",
+            "error",
+            "errors only: otherwise every rank prints a CCL_WARN line per variable set here",
+        ),
     ]
     if nodes <= 1:
         env += [
