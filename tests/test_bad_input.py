@@ -155,6 +155,11 @@ CASES = [
          "64", "--train_data_dir", "{tmp}/concept", "--output_dir", "{tmp}/out"],
          "contains no images (only files that are not pictures: .DS_Store, README.md)",
          files={"concept/README.md": "# my toy", "concept/.DS_Store": b"\0\0"}),
+    Case("num_vectors past CLIP's 77 tokens", "train", ["--pretrained_model_name_or_path", "toyworld", "--resolution",
+         "64", "--train_data_dir", SAMPLE, "--output_dir", "{tmp}/out", "--num_vectors", "100"],
+         "num_vectors=100: at most 68 vectors fit in a prompt (CLIP reads 77 tokens and the longest prompt template, "
+         "'a close-up photo of a {{}}', takes 9 of them), so vectors past that would never train. Fix: pass "
+         "--num_vectors 68 or fewer."),
     Case("0-byte picture", "train", ["--pretrained_model_name_or_path", "toyworld", "--resolution", "64",
          "--train_data_dir", "{tmp}/concept", "--output_dir", "{tmp}/out"], "zero.png: empty file (0 bytes)",
          files={"concept/a.png": png(), "concept/zero.png": b""}),

@@ -4,7 +4,7 @@ As in diffusers' ``DreamBoothDataset``, item ``i`` pairs subject picture ``i % s
 class picture ``i % classes``, and an epoch has ``max(subjects, classes)`` items (``subjects``
 without prior preservation). Every picture is resized (shorter side to ``resolution``) and
 centre-cropped once: it becomes one *view* whose latent the engine encodes once and caches
-(:func:`helpers.training.textual_inversion.cache_latents` takes any object with ``num_views`` and
+(:func:`helpers.training.engine.step.cache_latents` takes any object with ``num_views`` and
 ``view_pixels``). An item names views, not pixels: instance views come first, then class views.
 """
 
@@ -18,12 +18,14 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from helpers.training.data import to_rgb
+
 
 def load_view(path: str | os.PathLike, size: int) -> torch.Tensor:
     """One picture as the VAE takes it: shorter side resized to ``size`` (bilinear, as diffusers),
     centre-cropped to ``size`` x ``size``, RGB in [-1, 1], float32 ``[3, size, size]``."""
     with Image.open(path) as img:
-        image = ImageOps.exif_transpose(img).convert("RGB")  # phone photos store their rotation in EXIF
+        image = to_rgb(ImageOps.exif_transpose(img))  # phone photos store their rotation in EXIF
     scale = size / min(image.size)
     resized = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))
     image = image.resize(resized, resample=Image.Resampling.BILINEAR)

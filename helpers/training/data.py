@@ -111,6 +111,34 @@ imagenet_style_templates_small = [
 _TEMPLATES = {"object": imagenet_templates_small, "style": imagenet_style_templates_small}
 
 
+def prompt_templates(learnable_property: str) -> list[str]:
+    """The prompt templates of ``"object"`` or ``"style"`` training (``{}`` is the placeholder)."""
+    return _TEMPLATES[learnable_property]
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB, high bit depths scaled to 0-255 rather than clipped.
+
+    Pillow's ``convert("RGB")`` clips the values of 16- and 32-bit grey pictures (modes ``I;16*``
+    and ``I``) at 255, so a 16-bit grey PNG became almost all white. Those are scaled from 16 bits
+    (or from 8 bits if no value exceeds 255); float pictures (``F``) from 0-1 if no value exceeds
+    1, else clipped to 0-255. Every other mode (palette, grey, CMYK, with alpha) converts as
+    diffusers' script converts it.
+    """
+    if not (image.mode == "I" or image.mode == "F" or image.mode.startswith("I;16")):
+        return image.convert("RGB")
+    values = np.asarray(image, dtype=np.float64)
+    top = float(values.max()) if values.size else 0.0
+    if image.mode == "F":
+        scale = 255.0 if top <= 1.0 else 1.0
+    elif image.mode.startswith("I;16") or top > 255:
+        scale = 255.0 / 65535.0 if top <= 65535 else 255.0 / top
+    else:
+        scale = 1.0
+    grey = np.clip(np.rint(values * scale), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey, "L").convert("RGB")
+
+
 class ConceptImagesWarning(UserWarning):
     """The concept folder is usable but not as given: files skipped, or pictures that will be resized up."""
 
@@ -458,7 +486,7 @@ class ConceptDataset(torch.utils.data.Dataset):
     def _load_view(self, path: Path, flipped: bool) -> torch.Tensor:
         with Image.open(path) as img:
             # Phone photos store their rotation in EXIF; without this the concept trains sideways.
-            image = ImageOps.exif_transpose(img).convert("RGB")
+            image = to_rgb(ImageOps.exif_transpose(img))
         if self.center_crop:
             w, h = image.size
             crop = min(w, h)

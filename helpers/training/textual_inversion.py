@@ -205,7 +205,10 @@ def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
         if config.max_train_steps is not None:
             check_not_past_the_end(ckpt, config.max_train_steps)
     if tokenizer is not None:
-        check_tokens(tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors)
+        templates = data.prompt_templates(config.learnable_property)
+        check_tokens(
+            tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors, templates
+        )
     return CheckedInputs(images, folder, ckpt)
 
 
@@ -221,7 +224,8 @@ def train(config: TrainConfig) -> TrainResult:
     checked = check_inputs(config)  # the folder, images and checkpoint, before any model work
     model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
     tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
-    check_tokens(tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors)
+    templates = data.prompt_templates(config.learnable_property)
+    check_tokens(tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors, templates)
     with hold_output_dir(config):  # one run per folder: a second one is refused with this one's pid
         return _train(config, called, checked, model_dir, tokenizer)
 

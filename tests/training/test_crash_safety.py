@@ -509,3 +509,61 @@ def test_a_damaged_or_planted_checkpoint_file_is_one_line_and_runs_nothing(damag
         "Fix: remove that folder to resume from the checkpoint before it, or start in a new --output_dir"
     )
     assert not marker.exists()
+
+
+def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path):
+    """Issue 37: Ctrl-C in helpers.train printed a 113-line traceback. A real SIGINT to a training
+    process now ends it with one line naming the resume flag (exit 130), its checkpoints kept."""
+    import time
+
+    out = tmp_path / "out"
+    flags = _flags(settings(out, max_train_steps=500, checkpointing_steps=2))
+    proc = subprocess.Popen([sys.executable, "-m", "helpers.train", *flags], cwd=tmp_path, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not checkpoints.list_checkpoints(out) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert checkpoints.list_checkpoints(out), "no checkpoint within 300 s"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == checkpoints.INTERRUPTED_EXIT, err[-2000:]
+    assert err.rstrip().splitlines()[-1] == checkpoints.INTERRUPTED and "Traceback" not in err
+    assert ti.inspect_output_dir(out).state == "interrupted" and checkpoints.list_checkpoints(out)
+
+
+LOCK_HOLDER = """
+import sys, time
+from helpers.training.engine.folder import FolderLock
+FolderLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_train_into_a_folder_in_use_is_refused_naming_the_process(tmp_path):
+    """Two real processes: while one holds output_dir's lock, ``python -m helpers.train`` into it is
+    one line naming that process (exit 2, nothing written); once it is killed, the next run takes over."""
+    import socket
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        flags = _flags(settings(out, max_train_steps=1))
+        refused = subprocess.run([sys.executable, "-m", "helpers.train", *flags], cwd=tmp_path, text=True,
+                                 capture_output=True, timeout=300)  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    line = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert line.startswith(
+        f"error: output_dir {out} is in use by another run (pid {holder.pid} on host {socket.gethostname()}: "
+    )
+    assert sorted(p.name for p in out.iterdir()) == [".output_dir.lock"]  # the holder's, untouched
+    result = ti.train(config(out, max_train_steps=1))  # the killed holder's lock is taken over
+    assert result.summary["steps"] == 1 and not (out / ".output_dir.lock").exists()

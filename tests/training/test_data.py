@@ -454,3 +454,54 @@ def test_resolve_concept_sample_folder_and_hub(tmp_path, monkeypatch):
     with pytest.raises(HubUnavailableError, match="sample"):
         data.resolve_concept("sd-concepts-library/dicoo")
     assert not (tmp_path / "concepts").exists()
+
+
+# --- unusual picture modes --------------------------------------------------------------------------
+
+
+def _saved(tmp_path, image: Image.Image, name: str) -> Path:
+    folder = tmp_path / "concept"
+    folder.mkdir(exist_ok=True)
+    image.save(folder / name)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "grey"),
+    [
+        ("I;16", np.full((64, 64), 32896, dtype=np.uint16), 128),  # 16-bit grey PNG: 32896 / 257 = 128
+        ("I", np.full((64, 64), 65535, dtype=np.int32), 255),  # 32-bit grey holding 16-bit values
+        ("I", np.full((64, 64), 100, dtype=np.int32), 100),  # 32-bit grey holding 8-bit values
+        ("F", np.full((64, 64), 0.5, dtype=np.float32), 128),  # float grey from 0 to 1
+    ],
+)
+def test_high_bit_depth_pictures_are_scaled_not_clipped(mode, values, grey):
+    """Issue 37: a 16-bit grey PNG became 99.6 % white pixels (Pillow clips at 255 when converting)."""
+    image = Image.fromarray(values, mode) if mode != "I;16" else Image.fromarray(values)
+    assert image.mode == mode
+    rgb = np.asarray(data.to_rgb(image))
+    assert rgb.shape == (64, 64, 3) and (rgb == grey).all()
+
+
+def test_a_16_bit_grey_png_trains_as_its_grey(tmp_path, tokenizer):
+    """The whole path: a 16-bit gradient PNG in a concept folder gives the view its 8-bit twin gives."""
+    ramp = np.tile(np.linspace(0, 65535, 64).round().astype(np.uint16), (64, 1))
+    deep = _saved(tmp_path, Image.fromarray(ramp), "deep.png")
+    assert Image.open(deep / "deep.png").mode == "I;16"
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    Image.fromarray((ramp / 257).round().astype(np.uint8), "L").save(flat / "flat.png")
+    views = [
+        data.ConceptDataset(f, tokenizer, "<pip>", size=64, flip_p=0.0).view_pixels(0) for f in (deep, flat)
+    ]
+    assert torch.equal(views[0], views[1])
+    assert (views[0] > 0.99).float().mean() < 0.05  # was 99.6 % white
+
+
+@pytest.mark.parametrize("mode", ["LA", "P", "RGBA", "CMYK", "1", "I;16"])
+def test_every_picture_mode_gives_rgb_views_in_range(tmp_path, mode, tokenizer):
+    source = Image.new("RGB", (64, 64), (200, 30, 30))
+    image = source.convert(mode) if mode != "I;16" else Image.fromarray(np.full((64, 64), 40000, np.uint16))
+    folder = _saved(tmp_path, image, "a.png" if mode != "CMYK" else "a.jpg")
+    view = data.ConceptDataset(folder, tokenizer, "<pip>", size=64, flip_p=0.0).view_pixels(0)
+    assert view.shape == (3, 64, 64) and view.min() >= -1 and view.max() <= 1

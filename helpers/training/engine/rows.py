@@ -8,7 +8,7 @@ embedding's output, so the optimizer and the all-reduce see those rows only (doc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -29,12 +29,30 @@ def placeholder_tokens_for(placeholder_token: str, num_vectors: int) -> list[str
         raise TrainingInputError(str(err)) from None
 
 
-def check_tokens(tokenizer, placeholder_token: str, initializer_token: str, num_vectors: int) -> int:
-    """Check the new tokens are new and the initializer is one token; return its id.
+def check_tokens(
+    tokenizer, placeholder_token: str, initializer_token: str, num_vectors: int, templates: Iterable[str] = ()
+) -> int:
+    """Check the new tokens are new, fit in every prompt, and the initializer is one token; return its id.
+
+    Args:
+        templates: the prompt templates the run trains with (``{}`` stands for the placeholder
+            tokens): with ``num_vectors`` tokens in place of ``{}`` each must fit in the
+            tokenizer's ``model_max_length`` (CLIP: 77), else the vectors past it never train.
 
     Raises:
         TrainingInputError: with the fix, before any model weights are loaded.
     """
+    longest = max(templates, key=lambda t: len(tokenizer(t.format("")).input_ids), default=None)
+    if longest is not None:
+        taken = len(tokenizer(longest.format("")).input_ids)  # with the start and end tokens
+        limit = tokenizer.model_max_length - taken
+        if num_vectors > limit:
+            raise TrainingInputError(
+                f"num_vectors={num_vectors}: at most {limit} vectors fit in a prompt (CLIP reads "
+                f"{tokenizer.model_max_length} tokens and the longest prompt template, {longest!r}, takes "
+                f"{taken} of them), so vectors past that would never train. Fix: pass --num_vectors {limit} "
+                f"or fewer."
+            )
     existing = [
         t for t in placeholder_tokens_for(placeholder_token, num_vectors) if t in tokenizer.get_vocab()
     ]
