@@ -206,7 +206,8 @@ def test_cloud_init_installs_the_workshop_on_every_node(spec):
             "bash",
             "-c",
             "set -e; cd /home/azureuser; git clone --depth 1 --branch main https://example.org/workshop.git workshop; "
-            "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make -C workshop setup",
+            "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make -C workshop setup; "
+            "workshop/.venv/bin/python -m helpers.ranks.oneccl build",  # the ccl backend, or the setup fails
         ]
     ]
     writes = [c.writes for c in azure.plan(spec) if c.writes]

@@ -107,12 +107,15 @@ WantedBy=multi-user.target
 
 def cloud_init(spec: ClusterSpec) -> str:
     """The cloud-config every node boots with: system packages, the repo, ``make setup`` (the
-    pinned environment, Ray included), then Ray as the ``workshop-ray`` service (see
-    :func:`ray_start_commands`)."""
+    pinned environment, Ray and the oneCCL wheels included), the ``ccl`` backend built again on its
+    own (``make setup`` only notes a failed build; here it fails the node's setup, since every job
+    on the cluster runs on ccl as the guides do; a second build is a cache hit), then Ray as the
+    ``workshop-ray`` service (see :func:`ray_start_commands`)."""
     home = f"/home/{spec.admin_user}"
     setup = (
         f"set -e; cd {home}; git clone --depth 1 --branch {shlex.quote(spec.repo_ref)} "
-        f"{shlex.quote(spec.repo_url)} workshop; PIP_EXTRA_INDEX_URL={TORCH_CPU_INDEX} make -C workshop setup"
+        f"{shlex.quote(spec.repo_url)} workshop; PIP_EXTRA_INDEX_URL={TORCH_CPU_INDEX} make -C workshop setup; "
+        "workshop/.venv/bin/python -m helpers.ranks.oneccl build"
     )
     config = {
         "package_update": True,
