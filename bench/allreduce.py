@@ -20,7 +20,12 @@ each, oneCCL's variables from ``oneccl.environment``), sizes interleaved and eac
 alternating the order: 3 KB (textual inversion's vector), 3.2 MB (the DreamBooth LoRA), 4 MB and
 64 MB of fp32::
 
-    python -m bench.allreduce --backends gloo ccl [--rounds 5 --iters 50]
+    python -m bench.allreduce --backends gloo ccl [--rounds 5 --iters 50] [--step_rounds 1 --step_model toyworld]
+
+Then the effect on training: the same 2-process job (``helpers.launch --launcher mpirun
+--nproc_per_node 2``, ``--step_model`` at 64 px, ``--step_steps`` steps, fp32) on each backend,
+backends alternating over ``--step_rounds`` rounds (0: skip); ``train_step`` holds each run's
+``seconds_per_step`` from its ``run_summary.json`` (the first step excluded, as there).
 
 It writes ``allreduce_backends-loopback.json`` into ``bench/results/`` on the machine the other
 results come from, else into ``bench/results/<machine>/`` (``xeon-amx``, ``xeon-avx512``, ...).
@@ -42,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench import common
+from bench import common, jobs
 from helpers.core import cpu
 from helpers.training import textual_inversion as ti
 
@@ -68,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--iters", type=int, default=50, help="latency mode: all-reduces per round at 3 KB")
     parser.add_argument("--latency_worker", default=None, help=argparse.SUPPRESS)  # JSON spec
+    parser.add_argument("--step_rounds", type=int, default=1,
+                        help="latency mode: 2-process training runs per backend (0: skip)")  # fmt: skip
+    parser.add_argument("--step_model", default="toyworld", help="latency mode: the training runs' model")
+    parser.add_argument("--step_steps", type=int, default=6, help="latency mode: steps per training run")
     args = parser.parse_args(argv)
     if args.resolution is None:
         args.resolution = 64 if args.model == "tiny" else 256
@@ -365,6 +374,8 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
     }
     if "gloo" in backends and "ccl" in backends:
         report["gloo_over_ccl"] = {k: medians["gloo"][k] / medians["ccl"][k] for k in medians["gloo"]}
+    if args.step_rounds:
+        report["train_step"] = train_step_effect(backends, args.step_rounds, args.step_model, args.step_steps)
     out = (
         Path(args.out)
         if args.out
@@ -374,6 +385,44 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
     print(format_latency(report))
     print(f"wrote {out}")
     return report
+
+
+STEP_TIMEOUT = 900.0  # seconds: one training run
+
+
+def train_step_effect(backends: list[str], rounds: int, model: str, steps: int) -> dict[str, Any]:
+    """Seconds per step of the same 2-process training job on each backend, backends alternating."""
+    runs: dict[str, list[float]] = {b: [] for b in backends}
+    for r in range(rounds):
+        for b in backends if r % 2 == 0 else backends[::-1]:
+            with tempfile.TemporaryDirectory(prefix="bench-allreduce-step-") as work:
+                out = Path(work) / "out"
+                flags = jobs.tiny_train_args(out, steps)
+                flags[flags.index("tiny")] = model
+                argv = [sys.executable, "-m", "helpers.launch", "--launcher", "mpirun", "--backend", b,
+                        "--nproc_per_node", "2", "--main_process_port", "0", "--", *flags]  # fmt: skip
+                proc = subprocess.Popen(argv, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)  # fmt: skip
+                try:
+                    text, _ = proc.communicate(timeout=STEP_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    jobs.kill_tree(proc.pid)
+                    proc.wait()
+                    raise RuntimeError(
+                        f"the {b} training run did not end within {STEP_TIMEOUT:g} s"
+                    ) from None
+                if proc.returncode:
+                    raise RuntimeError(f"the {b} training run failed:\n{text[-3000:]}")
+                summary = json.loads((out / "run_summary.json").read_text())
+                if summary["backend"] != b:
+                    raise RuntimeError(f"--backend {b} ran on {summary['backend']}")
+                runs[b].append(summary["seconds_per_step"])
+    medians = {b: common.summarize(runs[b])["median"] for b in backends}
+    effect: dict[str, Any] = {"model": model, "resolution": 64, "steps": steps, "world_size": 2,
+                              "median_seconds_per_step": medians, "runs_seconds_per_step": runs}  # fmt: skip
+    if "gloo" in medians and "ccl" in medians:
+        effect["gloo_over_ccl"] = medians["gloo"] / medians["ccl"]
+    return effect
 
 
 def _results_folder(machine: dict[str, Any]) -> Path:
@@ -414,6 +463,10 @@ def format_latency(r: dict[str, Any]) -> str:
         if "gloo_over_ccl" in r:
             row += f"{r['gloo_over_ccl'][str(n)]:>10.1f}x"
         lines.append(row)
+    step = r.get("train_step")
+    if step:
+        shown = ", ".join(f"{b} {s:.3f} s" for b, s in step["median_seconds_per_step"].items())
+        lines.append(f"2-process training step ({step['model']}, {step['resolution']} px): {shown}")
     return "\n".join(lines)
 
 

@@ -15,22 +15,25 @@ are the last gradient the backward produces, so nothing overlaps it)::
   its slowest hop: ``latency + bytes / p / bandwidth``. Hops inside a node use :data:`LOOPBACK`
   (gloo over TCP on 127.0.0.1, fitted by ``bench/scaling.py``); hops between nodes use the VM size's
   published network bandwidth (:func:`helpers.cluster.prices.network_gbps`) and the loopback latency
-  plus :data:`NETWORK_LATENCY_S`.
+  plus :data:`NETWORK_LATENCY_S`. ``backend="ccl"`` uses :data:`CCL_LOOPBACK` instead (oneCCL over
+  shared memory, fitted by ``bench/scaling.py --backend ccl``; None until that fit is committed).
 * **Bytes**: ours all-reduces ``num_vectors x 768`` fp32 values (3,072 bytes for one vector), the
   reference the whole 49,409 x 768 matrix (151,784,448 bytes), whatever the precision of the step.
 
 Where it is wrong: cores do not scale linearly (a process with 28 threads is slower than 14 times
 one with 2); the loopback link is measured on a 2-core machine where both ranks share the cores,
 so a big VM's loopback is faster; the published bandwidth is an upper limit that one gloo TCP
-stream does not reach; ``ccl`` and MPI use other algorithms and shared memory; start-up, data
+stream does not reach; oneCCL and MPI may use other algorithms than a ring; start-up, data
 loading and checkpoints are not counted. :func:`guide_check` compares the model with the one
 published measurement we know of.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from helpers.cluster import estimates
 from helpers.core.errors import InputError
@@ -61,6 +64,11 @@ class Link:
 # the 2-core AMD EPYC the other benchmarks ran on. A test keeps these equal to the file's fit.
 LOOPBACK = Link(latency_s=144e-6, bytes_per_s=1.78e9)
 LOOPBACK_SOURCE = "bench/results/scaling-loopback.json"
+# The ccl backend's link inside a node (helpers.ranks.oneccl: oneCCL over libfabric's shared memory),
+# fitted by `python -m bench.scaling --backend ccl` into CCL_LOOPBACK_SOURCE. None until that run is
+# committed (no quiet machine for it yet): the model then has no ccl link and says so.
+CCL_LOOPBACK: Link | None = None
+CCL_LOOPBACK_SOURCE = "bench/results/scaling-loopback-ccl.json"
 # Added to the loopback latency between VMs. Not measured (no second machine here): an assumed
 # one-way TCP latency inside an Azure region with accelerated networking.
 NETWORK_LATENCY_S = 50e-6
@@ -121,9 +129,23 @@ def allreduce_seconds(
     return 2 * (processes - 1) * max(hops)
 
 
-def network_link(gbps: float) -> Link:
+def local_link(backend: str = "gloo") -> Link:
+    """The link between two ranks on one node for ``backend`` (``"gloo"`` or ``"ccl"``)."""
+    if backend == "gloo":
+        return LOOPBACK
+    if backend != "ccl":
+        raise InputError(f"backend={backend!r}: use 'gloo' or 'ccl'")
+    if CCL_LOOPBACK is None:
+        raise InputError(
+            "backend='ccl': the scaling model has no ccl link yet; run `python -m bench.scaling --backend ccl` "
+            f"and put its fit ({CCL_LOOPBACK_SOURCE}) into helpers.cluster.scaling.CCL_LOOPBACK"
+        )
+    return CCL_LOOPBACK
+
+
+def network_link(gbps: float, backend: str = "gloo") -> Link:
     """The link between two VMs with ``gbps`` Gbit/s of network bandwidth."""
-    return Link(LOOPBACK.latency_s + NETWORK_LATENCY_S, gbps * 1e9 / 8)
+    return Link(local_link(backend).latency_s + NETWORK_LATENCY_S, gbps * 1e9 / 8)
 
 
 @dataclass(frozen=True)
@@ -186,6 +208,7 @@ def predict(
     resolution: int = 512,
     train_batch_size: int = 1,
     num_vectors: int = 1,
+    backend: str = "gloo",
 ) -> Prediction:
     """Seconds per step and images per second of ``nodes`` machines whose cores are split over
     ``nproc_per_node`` processes each.
@@ -196,6 +219,7 @@ def predict(
         nodes: machines (1-16 in the workshop's figure).
         nproc_per_node: processes per machine; they split its cores.
         resolution, train_batch_size, num_vectors: the training settings.
+        backend: the process group's backend, whose fitted link the all-reduce uses (:func:`local_link`).
 
     Returns:
         The :class:`Prediction`, compute and all-reduce apart.
@@ -211,8 +235,10 @@ def predict(
     step = compute.seconds_per_step
     if mode == "reference":
         step *= compute.basis.reference_seconds_per_step / compute.basis.seconds_per_step
-    network = network_link(machine.network_gbps)
-    comm = allreduce_seconds(allreduced_bytes(mode, num_vectors), nodes, nproc_per_node, network)
+    network = network_link(machine.network_gbps, backend)
+    comm = allreduce_seconds(
+        allreduced_bytes(mode, num_vectors), nodes, nproc_per_node, network, local_link(backend)
+    )
     return Prediction(mode, nodes, nproc_per_node, train_batch_size, step, comm)
 
 
@@ -285,6 +311,44 @@ def guide_check(machine: Machine = GUIDE_MACHINE) -> GuideCheck:
         published_seconds=g["published_seconds"],
         published_seconds_per_step=g["long_published_seconds"] / g["long_steps"],
     )
+
+
+# --- the backend's effect on a measured step ---------------------------------------------------------
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class BackendEffect:
+    """The same 2-process training job measured on gloo and on ccl (``bench.allreduce --backends gloo ccl``)."""
+
+    source: str  # the result file, relative to the repository
+    model: str
+    seconds_per_step: dict[str, float]  # median per backend
+    cpu: str
+    load_average: float  # the machine's 1-minute load when the bench started
+
+    def describe(self) -> str:
+        gloo, ccl = self.seconds_per_step["gloo"], self.seconds_per_step["ccl"]
+        return (
+            f"The same 2-process step ({self.model}, one machine) took {gloo:.3f} s on gloo and {ccl:.3f} s "
+            f"on ccl ({gloo / ccl:.2f}x), measured by bench.allreduce on {self.cpu} under a load average of "
+            f"{self.load_average:.1f} ({self.source}; figures from a shared machine are noisy)."
+        )
+
+
+def backend_effect(results: Path = RESULTS) -> BackendEffect | None:
+    """The first ``allreduce_backends-*.json`` under ``results`` (path order) that holds a training
+    step on both backends; None where no such file is committed."""
+    for path in sorted(results.glob("**/allreduce_backends-*.json")):
+        report = json.loads(path.read_text())
+        step = report.get("train_step") or {}
+        seconds = step.get("median_seconds_per_step") or {}
+        if {"gloo", "ccl"} <= set(seconds):
+            machine = report["machine"]
+            source = str(path.relative_to(results.parents[1])) if results == RESULTS else str(path)
+            return BackendEffect(source, step["model"], seconds, machine["cpu"], machine["load_average"][0])
+    return None
 
 
 # --- the figure -----------------------------------------------------------------------------------

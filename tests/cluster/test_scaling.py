@@ -34,6 +34,35 @@ def test_loopback_link_is_the_fit_in_its_result_file():
     assert refit.bytes_per_s == pytest.approx(result["fit"]["bytes_per_s"])
 
 
+def test_the_ccl_link_is_its_result_files_fit_or_absent_and_said_so():
+    """CCL_LOOPBACK holds the committed fit of ``bench.scaling --backend ccl``; without that file the
+    model has no ccl link, and asking for it is one error naming the run that makes it."""
+    source = ROOT / scaling.CCL_LOOPBACK_SOURCE
+    if not source.exists():
+        assert scaling.CCL_LOOPBACK is None
+        with pytest.raises(ValueError, match=r"run `python -m bench.scaling --backend ccl`"):
+            scaling.predict("ours", "Standard_D8_v5", 2, 2, backend="ccl")
+        return
+    result = json.loads(source.read_text())
+    assert result["backend"] == "ccl" and result["world_size"] == 2
+    assert round(result["fit"]["latency_s"], 6) == scaling.CCL_LOOPBACK.latency_s
+    assert round(result["fit"]["bytes_per_s"] / 1e9, 2) * 1e9 == scaling.CCL_LOOPBACK.bytes_per_s
+
+
+def test_the_backend_picks_the_link_inside_and_between_nodes(monkeypatch):
+    fast = scaling.Link(latency_s=10e-6, bytes_per_s=5e9)
+    monkeypatch.setattr(scaling, "CCL_LOOPBACK", fast)
+    assert scaling.local_link("ccl") == fast and scaling.local_link("gloo") == scaling.LOOPBACK
+    assert scaling.network_link(8, "ccl") == scaling.Link(10e-6 + scaling.NETWORK_LATENCY_S, 1e9)
+    gloo, ccl = (scaling.predict("ours", "Standard_D8_v5", 4, 2, backend=b) for b in ("gloo", "ccl"))
+    assert ccl.compute_s == gloo.compute_s
+    hop = {b: max(link.latency_s + 3_072 / 8 / link.bytes_per_s for link in (scaling.local_link(b),
+               scaling.network_link(scaling.azure_machine("Standard_D8_v5").network_gbps, b))) for b in ("gloo", "ccl")}  # fmt: skip
+    assert (gloo.allreduce_s, ccl.allreduce_s) == pytest.approx((2 * 7 * hop["gloo"], 2 * 7 * hop["ccl"]))
+    with pytest.raises(ValueError, match="backend='nccl': use 'gloo' or 'ccl'"):
+        scaling.local_link("nccl")
+
+
 def test_fit_recovers_a_known_link():
     link = scaling.Link(latency_s=2e-4, bytes_per_s=1.5e9)
     sizes = [4, 3_072, 2**20, 2**24, 151_784_448]
@@ -166,3 +195,22 @@ def test_figure_draws_every_layout_and_the_published_point():
     assert list(d8_ours.get_xdata()) == [2, 4, 6, 8]
     star = lines[-1]
     assert list(star.get_xdata()) == [16] and list(star.get_ydata()) == pytest.approx([16 / 1.2])
+
+
+def test_the_backend_effect_is_read_from_the_bench_result_file(tmp_path):
+    folder = tmp_path / "results" / "xeon-avx512"
+    folder.mkdir(parents=True)
+    machine = {"cpu": "Some Xeon", "load_average": [3.25, 1, 1]}
+    (folder / "allreduce_backends-loopback.json").write_text(json.dumps({"machine": machine}))
+    assert scaling.backend_effect(tmp_path / "results") is None  # latency only, no training step
+    step = {"model": "toyworld", "median_seconds_per_step": {"gloo": 0.5, "ccl": 0.4}}
+    (folder / "allreduce_backends-loopback.json").write_text(
+        json.dumps({"machine": machine, "train_step": step})
+    )
+    effect = scaling.backend_effect(tmp_path / "results")
+    assert effect.seconds_per_step == {"gloo": 0.5, "ccl": 0.4} and effect.load_average == 3.25
+    assert effect.describe() == (
+        "The same 2-process step (toyworld, one machine) took 0.500 s on gloo and 0.400 s on ccl (1.25x), "
+        f"measured by bench.allreduce on Some Xeon under a load average of 3.2 ({folder}/allreduce_backends-"
+        "loopback.json; figures from a shared machine are noisy)."
+    )
