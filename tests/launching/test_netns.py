@@ -5,7 +5,10 @@ its own sshd listens; ssh is the only thing on it) and ``data0`` (10.77.0.x, the
 The namespaces share this machine's hostname, which resolves to 127.0.0.1 here: inside each
 namespace its own loopback, which the other host cannot reach, so gloo's default (the address
 of the hostname) would not connect them. The launcher passes the interface the nodes talk over,
-as on a VM with several NICs, and the test measures that the job's bytes went over it. ssh checks host keys
+as on a VM with several NICs, and the test measures that the job's bytes went over it, on gloo and
+on ccl (oneCCL's tcp transport, ``FI_TCP_IFACE``/``CCL_KVS_IFACE``), and that no socket of the
+job's Python processes was ever on ``mgmt0`` (``ss`` polled in both namespaces during the run).
+ssh checks host keys
 against a known_hosts file written here (``StrictHostKeyChecking yes``), with keys made for the
 test, through an ssh config placed first on ``PATH`` for the launcher and the MPI it starts.
 
@@ -15,8 +18,10 @@ the reason where namespaces cannot be made (e.g. an unprivileged container).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from helpers.launching import layout
+from helpers.ranks import oneccl
 from helpers.training import data
 
 pytestmark = pytest.mark.slow
@@ -47,6 +53,23 @@ def _counters(ns: str, link: str = "data0") -> int:
     out = _run(*_in_ns(ns, "cat", f"/sys/class/net/{link}/statistics/rx_bytes",
                        f"/sys/class/net/{link}/statistics/tx_bytes")).stdout  # fmt: skip
     return sum(int(v) for v in out.split())
+
+
+_PYTHON_SOCKET = re.compile(r"^\S+\s+\S+\s+(\S+):\d+\s+.*users:\(\(\"python")
+
+
+def _python_addresses(ns: str) -> set[str]:
+    """Local addresses other than loopback of the established TCP sockets of Python processes in
+    ``ns`` (``ss``), IPv4-mapped IPv6 ones as IPv4."""
+    out = _run(*_in_ns(ns, "ss", "-tnpH", "state", "established"), check=False).stdout
+    found = set()
+    for line in out.splitlines():
+        if m := _PYTHON_SOCKET.match(line):
+            address = ipaddress.ip_address(m.group(1).strip("[]"))
+            address = getattr(address, "ipv4_mapped", None) or address
+            if not address.is_loopback:
+                found.add(str(address))
+    return found
 
 
 def _known_host(host: str, public_key: Path) -> str:
@@ -150,9 +173,12 @@ def hosts(tmp_path_factory):
 
 
 def _launch(
-    hosts, launcher: str, out: Path, *extra: str, timeout: float = 600
+    hosts, launcher: str, out: Path, *extra: str, timeout: float = 600, sockets: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``python -m helpers.launch`` started on hostA, two nodes x one process, over data0."""
+    """``python -m helpers.launch`` started on hostA, two nodes x one process, over data0.
+
+    With ``sockets`` (a dict), every 0.2 s while the job runs it gathers per host the local
+    addresses of the Python processes' TCP sockets."""
     root = hosts["root"]
     argv = [
         sys.executable, "-m", "helpers.launch", "--launcher", launcher, "--hostfile", str(root / "hostfile"),
@@ -164,19 +190,41 @@ def _launch(
         "--max_train_steps", str(STEPS), "--train_batch_size", "1", "--seed", "0", "--mixed_precision", "no",
         "--output_dir", str(out),
     ]  # fmt: skip
-    return subprocess.run(_in_ns(hosts["names"]["hostA"], *argv), capture_output=True, text=True,
-                          timeout=timeout, env=hosts["env"], cwd=out.parent)  # fmt: skip
+    if sockets is None:
+        return subprocess.run(_in_ns(hosts["names"]["hostA"], *argv), capture_output=True, text=True,
+                              timeout=timeout, env=hosts["env"], cwd=out.parent)  # fmt: skip
+    logs = [out.parent / f"launch_{name}.log" for name in ("stdout", "stderr")]  # files: a pipe could fill
+    with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+        proc = subprocess.Popen(_in_ns(hosts["names"]["hostA"], *argv), stdout=stdout, stderr=stderr,
+                                text=True, env=hosts["env"], cwd=out.parent)  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            for host, ns in hosts["names"].items():
+                sockets.setdefault(host, set()).update(_python_addresses(ns))
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+    stdout, stderr = (log.read_text() for log in logs)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
-def test_two_namespaced_hosts_train_over_the_chosen_interface(hosts, launcher, tmp_path):
+@pytest.mark.parametrize(
+    ("launcher", "backend"), [("mpirun", "gloo"), ("torchrun", "gloo"), ("mpirun", "ccl")]
+)
+def test_two_namespaced_hosts_train_over_the_chosen_interface(hosts, launcher, backend, tmp_path):
+    if backend == "ccl" and not oneccl.available()[0]:
+        pytest.skip(f"ccl cannot be used here: {oneccl.available()[1]}")
     before = {host: _counters(ns) for host, ns in hosts["names"].items()}
-    done = _launch(hosts, launcher, tmp_path / "run")
+    sockets: dict[str, set[str]] = {}
+    done = _launch(hosts, launcher, tmp_path / "run", "--backend", backend, sockets=sockets)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == STEPS
+    assert summary["world_size"] == 2 and summary["steps"] == STEPS and summary["backend"] == backend
+    # The job's Python processes (ranks, launchers) had sockets on data0 and never on mgmt0.
+    assert sockets == {host: {data} for host, (_, data) in HOSTS.items()}
     assert summary["embeddings_identical_across_ranks"] is True
-    # ssh runs on mgmt0 only, so every byte on data0 is the job's: the rendezvous, gloo's
+    # ssh runs on mgmt0 only, so every byte on data0 is the job's: the rendezvous, the backend's
     # connections and its all-reduces (STEPS x 128 bytes at least), in both namespaces.
     moved = {host: _counters(ns) - before[host] for host, ns in hosts["names"].items()}
     assert min(moved.values()) > STEPS * summary["allreduce_bytes_per_step"], moved
@@ -196,9 +244,10 @@ def test_a_host_key_that_does_not_match_is_refused_before_training(hosts, tmp_pa
         (root / "known_hosts").write_text("\n".join(forged) + "\n")
         probe = subprocess.run(
             _in_ns(hosts["names"]["hostA"], sys.executable, "-c",
-                   "import json, sys; from helpers import distributed as d; "
-                   "layout = d.ClusterLayout.create(sys.argv[1], 1, main_process_ip=sys.argv[2]); "
-                   "print(json.dumps([[p.host, p.check, p.detail] for p in d.preflight(layout, sys.argv[3])]))",
+                   "import json, sys; from helpers.launching.layout import ClusterLayout; "
+                   "from helpers.launching.preflight import preflight; "
+                   "layout = ClusterLayout.create(sys.argv[1], 1, main_process_ip=sys.argv[2]); "
+                   "print(json.dumps([[p.host, p.check, p.detail] for p in preflight(layout, sys.argv[3])]))",
                    str(root / "hostfile"), HOSTS["hostA"][1], str(data.sample_concept_dir())),
             capture_output=True, text=True, timeout=300, env=hosts["env"],
         )  # fmt: skip
