@@ -4,11 +4,13 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# `make lab` decides by itself unless HF_HUB_OFFLINE was given (before the default below sets it).
+LAB_OFFLINE := $(if $(HF_HUB_OFFLINE),$(HF_HUB_OFFLINE),auto)
 export HF_HUB_OFFLINE ?= 1
 export AZURE_CORE_COLLECT_TELEMETRY ?= false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-ipex system-packages demo handouts test test-fast test-ipex lint format bench toyworld clean distclean
+.PHONY: setup setup-ipex system-packages demo lab handouts test test-fast test-ipex lint format bench toyworld clean distclean
 
 setup: $(VENV)/.setup-done
 
@@ -55,6 +57,11 @@ system-packages:
 demo: setup
 	$(PY) -m helpers.workshop.notebooks --out build
 	$(PY) -m helpers.workshop.handouts build
+
+# JupyterLab on the notebooks in lab/ (kept between runs): prepared with the offline profile (the toy
+# world, Pip) when the Hub cannot be reached, with the real defaults when it can; HF_HUB_OFFLINE=1 or 0 decides.
+lab: setup
+	$(PY) -m helpers.workshop.jupyter --folder lab --offline $(LAB_OFFLINE)
 
 # PDF handouts too (headless Chromium), from the notebooks `make demo` executed into build/.
 handouts: demo system-packages

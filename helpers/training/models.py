@@ -130,20 +130,28 @@ def ensure_hub_reachable(what: str, fix: str, timeout: float = 3.0) -> None:
     Raises:
         HubUnavailableError: offline mode is set or no connection could be made.
     """
+    reason = hub_unreachable_reason(timeout)
+    if reason:
+        raise HubUnavailableError(f"{what} needs the Hugging Face Hub, but {reason}. Fix: {fix}.")
+
+
+def hub_unreachable_reason(timeout: float = 3.0) -> str | None:
+    """Why the Hub cannot be reached (``"HF_HUB_OFFLINE is set"``, or the failed connection), or None.
+
+    Args:
+        timeout: seconds to wait for a TCP connection to the Hub endpoint.
+    """
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
-        raise HubUnavailableError(
-            f"{what} needs the Hugging Face Hub, but HF_HUB_OFFLINE is set. Fix: {fix}."
-        )
+        return "HF_HUB_OFFLINE is set"
     endpoint = urlparse(constants.ENDPOINT)
     port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
     try:
         socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
     except OSError as err:
-        raise HubUnavailableError(
-            f"{what} needs the Hugging Face Hub, but {endpoint.hostname}:{port} cannot be reached ({err}). Fix: {fix}."
-        ) from None
+        return f"{endpoint.hostname}:{port} cannot be reached ({err})"
+    return None
 
 
 def cache_dir() -> Path:

@@ -19,8 +19,10 @@ from typing import Any
 
 import yaml
 
-from helpers.core.errors import run_cli
+from helpers.core.errors import InputError, run_cli
 from helpers.core.files import write_path_atomic
+from helpers.core.sources import classify_source
+from helpers.training.models import hub_unreachable_reason
 
 RECORD_MIME = "application/x.workshop.record+json"
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
@@ -109,6 +111,53 @@ def tiny_profile(notebook: str | os.PathLike) -> dict[str, Any]:
     """The offline tiny-profile parameters for a notebook (from ``notebooks/tiny_profile.yaml``)."""
     profiles = yaml.safe_load(TINY_PROFILE_FILE.read_text()) or {}
     return dict(profiles.get(Path(notebook).stem) or {})
+
+
+def _literal(value: Any) -> str:
+    """``value`` as the parameters cell writes it (strings in double quotes)."""
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)
+
+
+def check_parameters(
+    notebook: str, hub: Mapping[str, Any] | None = None, files: Mapping[str, Any] | None = None
+) -> None:
+    """Stop a notebook before any work when a parameter cannot work on this machine, naming the fix.
+
+    A ``hub`` value that is a Hub id while the Hub cannot be reached, or a ``files`` value that does
+    not exist, is a problem; the one message names every such parameter as the notebook spells it
+    and the value the offline profile (``notebooks/tiny_profile.yaml``) gives it, so the fix is the
+    line to write in the parameters cell. The command lines name their flags in their own messages;
+    this check is the notebooks' (it knows their parameter names, the helpers they call do not).
+
+    Args:
+        notebook: the notebook's file stem, e.g. ``"02_single_node_finetune"``.
+        hub: parameters that may be Hub ids (a model, a concept), by their names in the parameters cell.
+        files: parameters that name a file or folder ("" for none), likewise.
+
+    Raises:
+        InputError: one line listing each problem and its offline value.
+    """
+    problems, reason = [], None
+    for name, value in (hub or {}).items():
+        if isinstance(value, str) and classify_source(value) == "hub_id":
+            reason = reason if reason is not None else (hub_unreachable_reason() or "")
+            if reason:
+                problems.append((name, value, f"needs the Hugging Face Hub, but {reason}"))
+    for name, value in (files or {}).items():
+        if value and not Path(value).expanduser().exists():
+            problems.append((name, value, "does not exist"))
+    if not problems:
+        return
+    offline = tiny_profile(notebook)
+    listed = "; ".join(f"{name} = {_literal(value)} {why}" for name, value, why in problems)
+    fixes = [f"{name} = {_literal(offline[name])}" for name, _, _ in problems if name in offline]
+    fix = (
+        f"set {', '.join(fixes)} in the parameters cell (the offline profile), or open the notebooks "
+        "with `make lab`, which prepares them for this machine"
+        if fixes
+        else "correct it in the parameters cell"
+    )
+    raise InputError(f"{notebook}: {listed}. Fix: {fix}.")
 
 
 def run_notebook(

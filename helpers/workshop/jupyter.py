@@ -1,0 +1,109 @@
+"""``make lab``: JupyterLab on the workshop notebooks, prepared for this machine.
+
+One switch for going offline: where the Hugging Face Hub cannot be reached (or ``--offline 1``),
+every notebook is prepared with the offline profile (``notebooks/tiny_profile.yaml``: the toy
+world, Pip), injected by papermill without running anything, as ``make demo`` and the tests inject
+it; where it can, the notebooks keep their real defaults (Stable Diffusion v1.5, dicoo). The
+notebooks go to a folder of their own (``lab/``), where they also run and write their outputs;
+a notebook already there is an attendee's work and is never replaced.
+
+``python -m helpers.workshop.jupyter [--folder lab] [--offline auto|1|0] [--prepare_only]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from helpers.core.errors import InputError, run_cli
+from helpers.core.files import write_path_atomic
+from helpers.training.models import hub_unreachable_reason
+from helpers.workshop.notebooks import notebook_paths, tiny_profile
+
+logger = logging.getLogger(__name__)
+
+
+def decide_offline(choice: str = "auto") -> tuple[bool, str]:
+    """``(offline, why)`` for ``choice`` ``"1"``, ``"0"`` or ``"auto"`` (offline when the Hub cannot be reached)."""
+    if choice in ("1", "0"):
+        return choice == "1", f"--offline {choice}"
+    if choice != "auto":
+        raise InputError(f"--offline {choice!r} is not one of auto, 1, 0. Fix: --offline auto (the default).")
+    reason = hub_unreachable_reason()
+    return (True, f"the Hub cannot be reached: {reason}") if reason else (False, "the Hub can be reached")
+
+
+def prepare(folder: str | os.PathLike, offline: bool) -> list[Path]:
+    """Copy every notebook into ``folder`` (offline: with the offline profile's parameters injected).
+
+    Returns:
+        The notebooks written; one already in ``folder`` is left as it is (it may hold an attendee's work).
+    """
+    import papermill
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for nb in notebook_paths():
+        target = folder / nb.name
+        if target.exists():
+            logger.info("%s: kept (already in %s)", nb.name, folder)
+            continue
+        if offline:
+            write_path_atomic(target, lambda tmp, nb=nb: papermill.execute_notebook(
+                str(nb), str(tmp), parameters=tiny_profile(nb), prepare_only=True,
+                kernel_name="python3", progress_bar=False,
+            ))  # fmt: skip
+        else:
+            write_path_atomic(target, lambda tmp, nb=nb: shutil.copyfile(nb, tmp))
+        written.append(target)
+    return written
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers.workshop.jupyter",
+        description="Open JupyterLab on the workshop notebooks, prepared offline when the Hub cannot be reached.",
+    )
+    parser.add_argument(
+        "--folder", default="lab", help="where the notebooks are prepared and run (default: lab)"
+    )
+    parser.add_argument(
+        "--offline", default="auto", help="auto (offline when the Hub cannot be reached), 1 or 0"
+    )
+    parser.add_argument(
+        "--prepare_only", action="store_true", help="prepare the notebooks, do not start JupyterLab"
+    )
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Prepare the notebooks, then replace this process with JupyterLab on them."""
+    offline, why = decide_offline(args.offline)
+    written = prepare(args.folder, offline)
+    profile = "the offline profile (toy world, Pip)" if offline else "their real defaults (the Hub)"
+    logger.info("%d notebook(s) prepared in %s with %s: %s", len(written), args.folder, profile, why)
+    if args.prepare_only:
+        return 0
+    env = dict(os.environ)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    else:
+        env.pop("HF_HUB_OFFLINE", None)
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={Path(args.folder).resolve()}"]
+    os.execve(sys.executable, cmd, env)  # JupyterLab's own Ctrl-C ends it
+    return 0  # pragma: no cover - execve does not return
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Entry point (see :func:`helpers.core.errors.run_cli`)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_cli(main, parse_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

@@ -1,0 +1,93 @@
+"""make lab's preparation: the offline profile injected where the Hub cannot be reached, nothing replaced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.core.errors import InputError
+from helpers.workshop import jupyter, notebooks
+
+
+def _parameters(path) -> dict[str, str]:
+    """The source of the injected-parameters cell ("" if none) and of the parameters cell."""
+    cells = json.loads(path.read_text())["cells"]
+    tags = {t: "".join(c["source"]) for c in cells for t in c.get("metadata", {}).get("tags", [])}
+    return {t: tags.get(t, "") for t in ("parameters", "injected-parameters")}
+
+
+def test_offline_notebooks_get_the_offline_profile_and_nothing_runs(tmp_path):
+    written = jupyter.prepare(tmp_path, offline=True)
+    assert [p.name for p in written] == [p.name for p in notebooks.notebook_paths()]
+    injected = _parameters(tmp_path / "02_single_node_finetune.ipynb")["injected-parameters"]
+    assert 'pretrained_model_name_or_path = "toyworld"' in injected and 'concept = "sample"' in injected
+    for path in written:
+        cells = json.loads(path.read_text())["cells"]
+        assert all(c.get("execution_count") is None for c in cells if c["cell_type"] == "code")
+
+
+def test_online_notebooks_keep_their_defaults_and_an_attendees_notebook_is_kept(tmp_path):
+    mine = tmp_path / "02_single_node_finetune.ipynb"
+    mine.write_text('{"my": "work"}')
+    written = jupyter.prepare(tmp_path, offline=False)
+    assert mine.read_text() == '{"my": "work"}' and mine not in written
+    copied = tmp_path / "05_openvino_inference.ipynb"
+    assert copied.read_bytes() == (notebooks.NOTEBOOK_DIR / copied.name).read_bytes()
+
+
+def test_the_switch(monkeypatch):
+    assert jupyter.decide_offline("1") == (True, "--offline 1")
+    assert jupyter.decide_offline("0") == (False, "--offline 0")
+    monkeypatch.setattr(jupyter, "hub_unreachable_reason", lambda: "HF_HUB_OFFLINE is set")
+    assert jupyter.decide_offline("auto") == (True, "the Hub cannot be reached: HF_HUB_OFFLINE is set")
+    monkeypatch.setattr(jupyter, "hub_unreachable_reason", lambda: None)
+    assert jupyter.decide_offline("auto")[0] is False
+    with pytest.raises(InputError, match="--offline 'yes' is not one of auto, 1, 0"):
+        jupyter.decide_offline("yes")
+
+
+def test_a_notebook_names_its_own_parameters_and_their_offline_values(monkeypatch, tmp_path):
+    monkeypatch.setattr(notebooks, "hub_unreachable_reason", lambda: "HF_HUB_OFFLINE is set")
+    with pytest.raises(InputError) as err:
+        notebooks.check_parameters(
+            "02_single_node_finetune",
+            hub={"concept": "sd-concepts-library/dicoo", "pretrained_model_name_or_path": "a/b"},
+        )
+    assert str(err.value) == (
+        '02_single_node_finetune: concept = "sd-concepts-library/dicoo" needs the Hugging Face Hub, but '
+        'HF_HUB_OFFLINE is set; pretrained_model_name_or_path = "a/b" needs the Hugging Face Hub, but '
+        'HF_HUB_OFFLINE is set. Fix: set concept = "sample", pretrained_model_name_or_path = "toyworld" in the '
+        "parameters cell (the offline profile), or open the notebooks with `make lab`, which prepares them "
+        "for this machine."
+    )
+    with pytest.raises(
+        InputError, match=r'hostfile = "cluster/hostfile" does not exist\. Fix: set hostfile = ""'
+    ):
+        notebooks.check_parameters("03_accelerate_config", files={"hostfile": "cluster/hostfile"})
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts").write_text("node0\n")
+    notebooks.check_parameters("03_accelerate_config", files={"hostfile": "hosts"})
+    notebooks.check_parameters("02_single_node_finetune", hub={"concept": "sample", "model": "toyworld"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stem", "names"),
+    [
+        ("02_single_node_finetune", ("concept", "pretrained_model_name_or_path")),
+        ("03_accelerate_config", ("hostfile",)),
+        ("05_openvino_inference", ("base_model",)),
+        ("06_dreambooth_lora", ("concept", "pretrained_model_name_or_path")),
+    ],
+)
+def test_unedited_notebook_offline_stops_at_once_naming_its_parameters(stem, names, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the kernel inherits it
+    path = notebooks.NOTEBOOK_DIR / f"{stem}.ipynb"
+    with pytest.raises(notebooks.NotebookError) as err:
+        notebooks.run_notebook(path, tmp_path / path.name, cwd=tmp_path)
+    message = str(err.value).splitlines()[0]
+    offline = notebooks.tiny_profile(stem)
+    assert "raised InputError" in message
+    assert [n for n in names if f"{n} = {json.dumps(offline[n])}" not in message] == []
+    assert not list(tmp_path.glob("outputs*")) and not (tmp_path / "concepts").exists()  # nothing started
