@@ -179,6 +179,25 @@ def test_two_ranks_form_one_group_and_a_crash_fails_the_job(script, launcher, mo
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["intel", "mpich", "openmpi", "torchrun"])
+def test_two_ranks_form_one_ccl_group_under_every_launcher(script, launcher):
+    """oneCCL bootstraps through the c10d store, not MPI: every launcher's ranks form one ccl group."""
+    if not CCL_OK:
+        pytest.skip(f"ccl cannot be used here: {CCL_REASON}")
+    mpirun = None if launcher == "torchrun" else mpirun_for(launcher)
+    stream = io.StringIO()
+    result = job.run_job(small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun, backend="ccl"),
+                         stream=stream, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.message()
+    assert "rank 0 of 2 sum 3 threads 1 backend ccl" in stream.getvalue()
+    assert any(ln.endswith("rank 1 of 2 sum 3 threads 1 backend ccl") for ln in result.tails[1])
+    warnings = [ln for ln in stream.getvalue().splitlines() if "CCL_WARN" in ln]  # CCL_LOG_LEVEL=error:
+    assert all("value of CCL_LOG_LEVEL changed" in ln for ln in warnings), (
+        warnings
+    )  # oneCCL's note of that alone
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("launcher", "backend"), [("intel", "gloo"), ("torchrun", "gloo"), ("intel", "ccl"), ("torchrun", "ccl")]
 )
