@@ -177,6 +177,52 @@ def export_openvino(
     Returns:
         ``out_dir``, which holds the pipeline and ``export_info.json`` (source, format, seconds).
     """
+    path = _check_export(source, out_dir, weight_format, learned_embeds, placeholder_token, overwrite,
+                         quant_mode, num_samples, resolution)  # fmt: skip
+    out, start, info = Path(out_dir), time.perf_counter(), {}
+
+    def fill(tmp: Path) -> None:
+        pipe = _load_for_export(path)
+        tokens = (
+            insert_learned_embeds(pipe, learned_embeds, placeholder_token, compile=False)
+            if learned_embeds
+            else []
+        )
+        if quant_mode:
+            token = placeholder_token or (tokens[0] if tokens else "object")
+            info["calibration"] = _calibrate_and_quantize(
+                pipe, tmp, weight_format, token, num_samples, resolution
+            )
+        else:
+            _save_export(pipe, tmp, weight_format)
+        info.update(
+            source=os.fspath(source),
+            weight_format=weight_format,
+            quant_mode=quant_mode,
+            learned_embeds=os.fspath(learned_embeds) if learned_embeds else None,
+            inserted_tokens=tokens,
+            seconds=round(time.perf_counter() - start, 2),
+        )
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
+
+    replace_dir_atomic(out, fill)
+    what = weight_format + (f", UNet in {quant_mode}" if quant_mode else "")
+    logger.info("exported %s (%s) to %s in %.1f s", os.fspath(source), what, out, info["seconds"])
+    return out
+
+
+def _check_export(
+    source,
+    out_dir,
+    weight_format,
+    learned_embeds,
+    placeholder_token,
+    overwrite,
+    quant_mode,
+    num_samples,
+    resolution,
+) -> Path:
+    """:func:`export_openvino`'s inputs, checked before any export work; returns the source folder."""
     if weight_format not in WEIGHT_FORMATS:
         raise InferenceInputError(
             f"weight_format={weight_format!r}: must be one of {', '.join(WEIGHT_FORMATS)}"
@@ -199,52 +245,32 @@ def export_openvino(
         raise InferenceInputError(
             f"out_dir {str(out)!r} is the source folder itself. Fix: choose another out_dir."
         )
-    from optimum.intel import OVConfig, OVQuantizer, OVStableDiffusionPipeline, OVWeightQuantizationConfig
+    return path
 
-    start = time.perf_counter()
-    info: dict[str, Any] = {}
 
-    def fill(tmp: Path) -> None:
-        quiet_model_loading()
-        if is_openvino_folder(path):
-            pipe = OVStableDiffusionPipeline.from_pretrained(path, compile=False)
-        else:
-            logger.info("exporting %s to OpenVINO IR (minutes and GBs for SD v1.5)", path)
-            # load_in_8bit=False: keep fp32 weights whatever the model size; int8 is a separate, explicit step
-            with tracing_quietly():
-                pipe = OVStableDiffusionPipeline.from_pretrained(
-                    path, export=True, compile=False, load_in_8bit=False
-                )
-        tokens = (
-            insert_learned_embeds(pipe, learned_embeds, placeholder_token, compile=False)
-            if learned_embeds
-            else []
-        )
-        if quant_mode:
-            token = placeholder_token or (tokens[0] if tokens else "object")
-            info["calibration"] = _calibrate_and_quantize(
-                pipe, tmp, weight_format, token, num_samples, resolution
-            )
-        elif weight_format == "int8":
-            quiet_weight_compression()
-            config = OVConfig(quantization_config=OVWeightQuantizationConfig(bits=8))
-            OVQuantizer(pipe).quantize(ov_config=config, save_directory=tmp)
-        else:
-            pipe.save_pretrained(tmp)
-        info.update(
-            source=os.fspath(source),
-            weight_format=weight_format,
-            quant_mode=quant_mode,
-            learned_embeds=os.fspath(learned_embeds) if learned_embeds else None,
-            inserted_tokens=tokens,
-            seconds=round(time.perf_counter() - start, 2),
-        )
-        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
+def _load_for_export(path: Path) -> Any:
+    """The pipeline as optimum-intel holds it: read from an OpenVINO folder, or exported from PyTorch."""
+    from optimum.intel import OVStableDiffusionPipeline
 
-    replace_dir_atomic(out, fill)
-    what = weight_format + (f", UNet in {quant_mode}" if quant_mode else "")
-    logger.info("exported %s (%s) to %s in %.1f s", os.fspath(source), what, out, info["seconds"])
-    return out
+    quiet_model_loading()
+    if is_openvino_folder(path):
+        return OVStableDiffusionPipeline.from_pretrained(path, compile=False)
+    logger.info("exporting %s to OpenVINO IR (minutes and GBs for SD v1.5)", path)
+    # load_in_8bit=False: keep fp32 weights whatever the model size; int8 is a separate, explicit step
+    with tracing_quietly():
+        return OVStableDiffusionPipeline.from_pretrained(path, export=True, compile=False, load_in_8bit=False)
+
+
+def _save_export(pipe: Any, folder: Path, weight_format: str) -> None:
+    """Save the pipeline into ``folder``: as it is (fp32), or with int8 weights (data-free)."""
+    from optimum.intel import OVConfig, OVQuantizer, OVWeightQuantizationConfig
+
+    if weight_format == "int8":
+        quiet_weight_compression()
+        config = OVConfig(quantization_config=OVWeightQuantizationConfig(bits=8))
+        OVQuantizer(pipe).quantize(ov_config=config, save_directory=folder)
+    else:
+        pipe.save_pretrained(folder)
 
 
 def _calibrate_and_quantize(
