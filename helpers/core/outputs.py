@@ -40,6 +40,8 @@ CHECKPOINTS = "checkpoints"
 """The folder of resumable checkpoints ``checkpoint-N``, in ``output_dir``."""
 SAMPLES = "samples"
 """The folder of validation images (``step-N/``, ``final/``), in ``output_dir``."""
+LOGS = "logs"
+"""TensorBoard's event files (``--report_to tensorboard``, ``--logging_dir``'s default), in ``output_dir``."""
 MODEL_INDEX = "model_index.json"
 """With ``--save_as_full_pipeline`` ``output_dir`` itself is a diffusers pipeline folder; this file,
 written after its components, says it is complete."""

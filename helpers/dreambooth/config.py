@@ -20,7 +20,16 @@ from typing import ClassVar
 
 from helpers.core.errors import InputError
 from helpers.training import schema
-from helpers.training.config import LR_SCHEDULERS, MIXED_PRECISION, PREPACK_CONVS_HELP, ConfigError
+from helpers.training.config import (
+    LOGGING_DIR_HELP,
+    LR_SCHEDULERS,
+    MIXED_PRECISION,
+    PREPACK_CONVS_HELP,
+    REPORT_TO,
+    REPORT_TO_HELP,
+    REPORT_TO_HINT,
+    ConfigError,
+)
 from helpers.training.schema import Settings, setting
 
 DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
@@ -35,8 +44,6 @@ UNSUPPORTED_DIFFUSERS_FLAGS = {
     "use_8bit_adam": "bitsandbytes' 8-bit Adam is GPU-only; the LoRA optimizer state is small anyway (a few MB)",
     "tokenizer_name": "the tokenizer is always the one in the model folder",
     "variant": "CPU training loads the full-precision weights; drop the flag",
-    "report_to": "metrics go to output_dir/history.json and the notebook plots; drop the flag",
-    "logging_dir": "metrics go to output_dir/history.json; drop the flag",
     "tokenizer_max_length": "Stable Diffusion v1's CLIP tokenizer always pads to its 77 tokens",
     "text_encoder_use_attention_mask": "Stable Diffusion v1's CLIP text encoder is trained without an attention mask",
     "validation_images": "only for image-conditioned pipelines (DeepFloyd IF upscalers), not Stable Diffusion",
@@ -140,6 +147,8 @@ class DreamBoothConfig(Settings):
     output_dir: str = setting(
         "lora-dreambooth-model", "where LoRA weights, checkpoints and samples go", not_blank=True
     )
+    report_to: str = setting("tensorboard", REPORT_TO_HELP, choices=REPORT_TO, hint=REPORT_TO_HINT)
+    logging_dir: str = setting("logs", LOGGING_DIR_HELP, not_blank=True)
     overwrite_output_dir: bool = setting(False, "allow replacing a finished run in output_dir")
     checkpointing_steps: int = setting(500, "save a resumable checkpoint every N steps", ge=1)
     checkpoints_total_limit: int | None = setting(

@@ -21,7 +21,7 @@ import torch
 from accelerate.logging import get_logger
 
 from helpers.core.files import replace_dir_atomic, save_image_atomic
-from helpers.core.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, PIPELINE_DIR, SAMPLES, SUMMARY
+from helpers.core.outputs import CHECKPOINTS, HISTORY, HISTORY_PARTIAL, LOGS, PIPELINE_DIR, SAMPLES, SUMMARY
 from helpers.dreambooth import class_images
 from helpers.dreambooth.lora import (
     LORA_WEIGHTS,
@@ -31,7 +31,7 @@ from helpers.dreambooth.lora import (
     save_lora_weights,
 )
 from helpers.ranks import status
-from helpers.training.engine import checkpoints
+from helpers.training.engine import checkpoints, tracking
 from helpers.training.engine.folder import RunLayout, clear_leftovers, clear_run
 from helpers.training.engine.saving import storage_errors, write_json
 
@@ -46,7 +46,7 @@ DREAMBOOTH = RunLayout(
     config_file=CONFIG_FILE,
     weights_file=LORA_WEIGHTS,
     files=(CONFIG_FILE, HISTORY, HISTORY_PARTIAL, LORA_WEIGHTS, SUMMARY),
-    dirs=(CHECKPOINTS, SAMPLES, PIPELINE_DIR),
+    dirs=(CHECKPOINTS, SAMPLES, LOGS, PIPELINE_DIR),
     # the LoRA's shape (rank, which models) and what it started from: another value cannot resume
     identity=("seed", "pretrained_model_name_or_path", "rank", "train_text_encoder"),
 )
@@ -129,7 +129,7 @@ def save_checkpoint(run: Run, step: int, history: list[dict]) -> Path:
 def validate_on_main(run: Run, dest: Path, step: int) -> None:
     """Sample pictures on the main process while the others wait."""
     if run.accelerator.is_main_process:
-        validate(run, dest)
+        tracking.log_images(run.accelerator, step, validate(run, dest))
     else:
         status.beat(status.WAITING, step)  # rank 0 samples meanwhile
     run.accelerator.wait_for_everyone()
@@ -193,7 +193,7 @@ def write_outputs(run: Run, global_step: int, history: list[dict]) -> dict[str, 
     if kept:  # a run resumed at its end saved none, yet the limit holds when it finishes
         checkpoints.prune_checkpoints(run.output_dir, keep=kept[-1], limit=config.checkpoints_total_limit)
     if config.validation_prompt and config.num_validation_images:
-        validate(run, run.output_dir / SAMPLES / "final")
+        tracking.log_images(accelerator, global_step, validate(run, run.output_dir / SAMPLES / "final"))
     if config.save_as_full_pipeline:
         with storage_errors(pipeline_path(run), "the fused pipeline"):
             save_fused_pipeline(run.model_dir, lora_path(run), pipeline_path(run))

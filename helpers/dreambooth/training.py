@@ -49,7 +49,7 @@ from helpers.dreambooth.data import DreamBoothPairs, ImageViews
 from helpers.dreambooth.lora import add_lora
 from helpers.ranks import status
 from helpers.training import data, models
-from helpers.training.engine import TrainingDivergedError, prepack
+from helpers.training.engine import TrainingDivergedError, prepack, tracking
 from helpers.training.engine.checkpoints import check_not_past_the_end, resolve_checkpoint
 from helpers.training.engine.folder import check_checkpoint_matches, check_output_dir, hold_output_dir
 from helpers.training.engine.setup import make_accelerator
@@ -234,7 +234,12 @@ def setup_run(config: DreamBoothConfig) -> Run:
     started = time.perf_counter()
     model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
     precision = cpu.choose_precision(config.mixed_precision)
-    accelerator = make_accelerator(precision, config.gradient_accumulation_steps)
+    accelerator = make_accelerator(
+        precision,
+        config.gradient_accumulation_steps,
+        config.report_to,
+        tracking.project_configuration(config.output_dir, config.logging_dir),
+    )
     cpu.set_threads()
     logger.info(f"precision: {precision.reason}", main_process_only=True)
     if precision.warning:
@@ -446,6 +451,11 @@ def train_loop(run: Run, global_step: int, history: list[dict]) -> int:
                     record["prior_loss"] = means[2]
                 record.update(lr=run.lr_scheduler.get_last_lr()[0], seconds=time.perf_counter() - start)
                 history.append(record)
+                tracking.log_step(
+                    accelerator,
+                    global_step,
+                    {k: v for k, v in record.items() if k not in ("step", "seconds")},
+                )
                 progress.update(1)
                 progress.set_postfix(loss=f"{means[0]:.4f}")
                 status.beat("training", global_step)  # helpers.launch's stall detection
@@ -481,6 +491,7 @@ def _train(config: DreamBoothConfig, ckpt: Path | None) -> DreamBoothResult:
     run = setup_run(config)
     start = saving.resume(run, ckpt)
     history = saving.prepare_output_dir(run, start)
+    tracking.start(run.accelerator, "dreambooth_lora", dataclasses.asdict(config))
     # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
     global_step = train_loop(run, start, history) if start < run.max_steps else start
     summary = saving.write_outputs(run, global_step, history)

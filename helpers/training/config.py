@@ -24,6 +24,13 @@ PREPACK_CONVS_HELP = (
     "steps for two more copies of those weights, skipped if memory is short (--no-prepack_convs: off)"
 )
 LEARNABLE_PROPERTIES = ("object", "style")
+# --report_to and --logging_dir, as diffusers' scripts have them (also DreamBooth-LoRA's flags).
+REPORT_TO = ("tensorboard", "none")
+REPORT_TO_HELP = (
+    "tensorboard: loss, learning rate and validation images as TensorBoard event files; none: off"
+)
+REPORT_TO_HINT = "wandb and comet_ml need their online services, and this workshop runs offline"
+LOGGING_DIR_HELP = "TensorBoard's folder, relative to output_dir (`tensorboard --logdir OUTPUT_DIR/logs`)"
 
 # Flags of the diffusers script that this engine does not support, and why. Passing one is an
 # error rather than being silently ignored.
@@ -35,8 +42,6 @@ UNSUPPORTED_DIFFUSERS_FLAGS = {
     "allow_tf32": "TF32 exists only on NVIDIA GPUs",
     "tokenizer_name": "the tokenizer is always the one in the model folder",
     "variant": "CPU training loads the full-precision weights; drop the flag",
-    "report_to": "metrics go to output_dir/history.json and the notebook plots; drop the flag",
-    "logging_dir": "metrics go to output_dir/history.json; drop the flag",
     "validation_epochs": "deprecated in diffusers too; use --validation_steps",
     "no_safe_serialization": "outputs are always safetensors, the format load_textual_inversion prefers",
 }
@@ -117,6 +122,8 @@ class TrainConfig(Settings):
         "textual_inversion_output", "where embeddings, checkpoints and samples go", not_blank=True
     )
     overwrite_output_dir: bool = setting(False, "allow replacing a finished run in output_dir")
+    report_to: str = setting("tensorboard", REPORT_TO_HELP, choices=REPORT_TO, hint=REPORT_TO_HINT)
+    logging_dir: str = setting("logs", LOGGING_DIR_HELP, not_blank=True)
     save_steps: int = setting(500, "save learned_embeds-steps-N.safetensors every N steps", ge=1)
     checkpointing_steps: int = setting(500, "save a resumable checkpoint every N steps", ge=1)
     checkpoints_total_limit: int | None = setting(

@@ -22,6 +22,7 @@ What differs from diffusers' ``examples/textual_inversion/textual_inversion.py``
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from helpers.core.outputs import (
 from helpers.ranks import faults, status
 from helpers.training import data, models
 from helpers.training.config import TrainConfig
-from helpers.training.engine import TrainingDivergedError, TrainingInputError
+from helpers.training.engine import TrainingDivergedError, TrainingInputError, tracking
 from helpers.training.engine.checkpoints import (
     check_not_past_the_end,
     checkpoint_step,
@@ -236,6 +237,7 @@ def _train(
     run = setup_run(config, model_dir, tokenizer)
     start = resume(run, checked.checkpoint)
     history = prepare_output_dir(run, start)
+    tracking.start(run.accelerator, "textual_inversion", dataclasses.asdict(config))
     # The full pipeline's unchanged weights go to disk while the steps run, not after them.
     copied = PipelineCopy(model_dir, run.output_dir) if writes_pipeline(run) else None
     try:
@@ -349,6 +351,7 @@ def train_loop(run: Run, start: int, history: list[dict]) -> int:
                     "seconds": time.perf_counter() - step_start,
                 }
             )
+            tracking.log_step(accelerator, step, {"loss": loss, "lr": history[-1]["lr"]})
             progress.update(1)
             progress.set_postfix(loss=f"{loss:.4f}")
             status.beat("training", step)  # helpers.launch's stall detection
@@ -377,7 +380,9 @@ def _periodic_saves(run: Run, step: int, history: list[dict]) -> None:
         )
     if config.validation_prompt and config.num_validation_images and step % config.validation_steps == 0:
         if accelerator.is_main_process:
-            save_samples(run, run.output_dir / SAMPLES / f"step-{step}")
+            tracking.log_images(
+                accelerator, step, save_samples(run, run.output_dir / SAMPLES / f"step-{step}")
+            )
         else:
             status.beat(status.WAITING, step)  # rank 0 samples meanwhile
         accelerator.wait_for_everyone()
@@ -433,7 +438,7 @@ def write_outputs(run: Run, history: list[dict], steps: int, copied: PipelineCop
         if kept:  # a run resumed at its end saved none, yet the limit holds when it finishes
             prune_checkpoints(output_dir, keep=kept[-1], limit=config.checkpoints_total_limit)
         if config.validation_prompt and config.num_validation_images:
-            save_samples(run, output_dir / SAMPLES / "final")
+            tracking.log_images(accelerator, steps, save_samples(run, output_dir / SAMPLES / "final"))
         if config.save_as_full_pipeline:
             with storage_errors(output_dir, "the full pipeline", discard=copied.folder):
                 save_full_pipeline(run, output_dir, copied)

@@ -74,7 +74,10 @@ def test_flags_are_those_of_diffusers_script():
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["--report_to=wandb"], r"--report_to \(metrics go to output_dir/history\.json"),
+        (
+            ["--report_to=wandb"],
+            r"report_to='wandb': must be one of tensorboard, none \(wandb and comet_ml need",
+        ),
         (["--push_to_hub"], r"--push_to_hub \(this workshop runs offline"),
         (["--use_8bit_adam"], r"--use_8bit_adam \(bitsandbytes' 8-bit Adam is GPU-only"),
         (["--mixed_precision=fp16"], r"fp16 is a GPU format"),

@@ -269,8 +269,18 @@ def test_really_read_only_output_dir_is_refused(tmp_path):
 
 def test_unsupported_diffusers_flag_is_an_error_not_ignored():
     with pytest.raises(ConfigError, match="--push_to_hub") as err:
-        parse_args(["--push_to_hub", "--report_to", "wandb"])
-    assert "--report_to" in str(err.value) and "\n" not in str(err.value)
+        parse_args(["--push_to_hub", "--hub_model_id", "me/x"])
+    assert "--hub_model_id" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "comet_ml"])
+def test_online_trackers_are_refused_with_the_reason(tracker):
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--report_to", tracker])
+    assert (
+        f"report_to={tracker!r}: must be one of tensorboard, none (wandb and comet_ml need their online"
+        in str(err.value)
+    )
 
 
 def test_bad_command_line_values_are_config_errors_listing_all(tmp_path):

@@ -32,6 +32,7 @@ from helpers.core.outputs import (
     HISTORY,
     HISTORY_PARTIAL,
     LEARNED_EMBEDS,
+    LOGS,
     MODEL_INDEX,
     PIPELINE_DIR,
     PIPELINE_PARTS,
@@ -86,7 +87,7 @@ TEXTUAL_INVERSION = RunLayout(
     config_file=TRAIN_CONFIG,
     weights_file=LEARNED_EMBEDS,
     files=(TRAIN_CONFIG, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, SUMMARY),
-    dirs=(CHECKPOINTS, SAMPLES, PIPELINE_DIR),  # PIPELINE_DIR: where earlier versions put the pipeline
+    dirs=(CHECKPOINTS, SAMPLES, LOGS, PIPELINE_DIR),  # PIPELINE_DIR: where earlier versions put the pipeline
     identity=IDENTITY,
     pipeline_in_folder=True,
     step_files=re.compile(r"learned_embeds-steps-\d+\.safetensors"),

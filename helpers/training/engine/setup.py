@@ -12,12 +12,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import ProjectConfiguration
 
 from helpers.core import cpu
 from helpers.ranks import backend, status
 from helpers.training import data, models
 from helpers.training.config import TrainConfig
-from helpers.training.engine import attention, latents, prepack
+from helpers.training.engine import attention, latents, prepack, tracking
 from helpers.training.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
@@ -75,7 +76,12 @@ class Run:
         return self.parts.vectors
 
 
-def make_accelerator(precision: cpu.PrecisionChoice, gradient_accumulation_steps: int) -> Accelerator:
+def make_accelerator(
+    precision: cpu.PrecisionChoice,
+    gradient_accumulation_steps: int,
+    report_to: str = "none",
+    project_config: ProjectConfiguration | None = None,
+) -> Accelerator:
     """accelerate's ``Accelerator`` on the CPU with this run's precision, in any process.
 
     accelerate keeps one state per process and refuses a second ``Accelerator`` with another
@@ -84,6 +90,7 @@ def make_accelerator(precision: cpu.PrecisionChoice, gradient_accumulation_steps
     chosen by ``auto`` and then ``no``. Without a process group there is nothing in that state to
     keep, so it is cleared first; in a multi-process job (process group up) it is left alone.
     The process group's backend is the one the launcher chose (:func:`helpers.ranks.backend.init_backend`).
+    ``report_to`` and ``project_config``: the trackers (:mod:`helpers.training.engine.tracking`).
     """
     backend.init_backend()
     if not torch.distributed.is_initialized():
@@ -93,6 +100,8 @@ def make_accelerator(precision: cpu.PrecisionChoice, gradient_accumulation_steps
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=precision.mixed_precision,
         cpu=True,
+        log_with=tracking.log_with(report_to),
+        project_config=project_config,
     )
 
 
@@ -105,7 +114,12 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
         tokenizer: its tokenizer (the placeholder tokens are added to it).
     """
     precision = cpu.choose_precision(config.mixed_precision)
-    accelerator = make_accelerator(precision, config.gradient_accumulation_steps)
+    accelerator = make_accelerator(
+        precision,
+        config.gradient_accumulation_steps,
+        config.report_to,
+        tracking.project_configuration(config.output_dir, config.logging_dir),
+    )
     # Every rank has read the output folder's state (check_inputs) before the main process
     # changes it (prepare_output_dir). Starting the process group usually waits for all ranks
     # anyway; under Ray Train the group exists before train() is called, so wait here.
