@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from helpers.core.outputs import SUMMARY
 from helpers.launching import accelerate_config
 from helpers.launching.layout import ClusterLayout
 from helpers.training import data, models
+from helpers.workshop import notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_FLAGS = r"""--pretrained_model_name_or_path=$MODEL_NAME --train_data_dir=$DATA_DIR \
@@ -136,3 +139,144 @@ def test_openvino_snippet_of_the_blog_loads_the_output_dir(single_node_output, t
     exec(compile(snippet, "hf-blog-openvino", "exec"), scope)  # noqa: S102 - the guide's code, as printed
     assert scope["image"].size == (64, 64)
     assert "<dicoo>" in scope["ov_pipe"].tokenizer.get_vocab()  # the exported pipeline knows the word
+
+
+# --- The lines this workshop itself tells a person to type: the README and the notebooks ----------
+#
+# Every command of the README's ```bash blocks and every Python call a notebook's text gives in
+# `code` (``pipe.…(…)``, ``…Pipeline.from_pretrained(…)``) is found by the extractors below and must
+# be in one of the tables: run (as printed, or with the listed swaps, for a small run) in the
+# workshop's offline environment, or not run here with the reason. A new line in the README or a
+# notebook fails test_every_documented_line_is_run_or_excused until it is classified.
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+_CALL_TO_TYPE = re.compile(r"^(?:pipe\.\w+|\w+Pipeline\.from_pretrained)\(.*\)$")
+
+NOT_RUN = {
+    "make demo": "runs every notebook offline: tests/workshop/test_notebooks.py runs the same",
+    "make test": "the test suite itself",
+    ".venv-ipex/bin/python -m helpers.train --use_ipex <the same flags>": (
+        "a template, in the second environment: tests/test_ipex.py runs the IPEX path"
+    ),
+    ".venv/bin/python -m helpers.toyworld build --output_dir DIR": (
+        "trains the toy world from scratch (hours on 2 cores): tests/toyworld/test_toyworld.py builds a small one"
+    ),
+    ".venv/bin/python -m helpers.azure {plan,apply,teardown,ssh-config} --config cluster.yaml": (
+        "notation for four subcommands that need an Azure subscription: tests/cluster/test_azure.py checks them"
+    ),
+}
+# Small runs of the README's lines: fewer steps, pictures and pixels; nothing else changes.
+SWAPS = {
+    "--output_dir lora": "--output_dir lora --resolution 64 --max_train_steps 2 --num_class_images 2 "
+    "--class_num_inference_steps 2",
+    "--quant_mode int8": "--quant_mode int8 --num_samples 2 --resolution 64",
+    "--static --output_dir images": "--static --output_dir images --resolution 64 --num_inference_steps 2",
+    '--openvino_dir out-ov --prompt "a photo of <dicoo>"': (
+        '--openvino_dir out-ov --prompt "a photo of <dicoo>" --resolution 64 --num_inference_steps 2'
+    ),
+}
+# What `make demo` leaves in build/ that a README line reads, made here by a short run of notebook 02's training.
+DEMO_OUTPUT = (
+    "python -m helpers.train --pretrained_model_name_or_path toyworld --train_data_dir {sample} "
+    "--placeholder_token '<pip>' --initializer_token toy --resolution 64 --max_train_steps 2 "
+    "--output_dir build/outputs/pip-toyworld --save_as_full_pipeline"
+)
+# Each notebook call with what it needs first (in a fresh offline interpreter) and what it must do.
+NOTEBOOK_CALLS = {
+    "pipe.load_textual_inversion(path)": (
+        "from diffusers import StableDiffusionPipeline\n"
+        "pipe = StableDiffusionPipeline.from_pretrained({toyworld!r})\n"
+        "path = {ti_output!r} + '/learned_embeds.safetensors'\n",
+        "assert '<pip>' in pipe.tokenizer.get_vocab()",
+    ),
+    "StableDiffusionPipeline.from_pretrained(output_dir)": (
+        "from diffusers import StableDiffusionPipeline\noutput_dir = {ti_output!r}\n",
+        "assert '<pip>' in _.tokenizer.get_vocab()",
+    ),
+    'pipe.load_lora_weights(output_dir, weight_name="pytorch_lora_weights.safetensors")': (
+        "from diffusers import StableDiffusionPipeline\n"
+        "pipe = StableDiffusionPipeline.from_pretrained({toyworld!r})\noutput_dir = {lora_output!r}\n",
+        "assert pipe.get_active_adapters(), 'no LoRA adapter loaded'",
+    ),
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """Each command of the ```bash blocks: continuations joined, comment lines and trailing comments dropped."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", "", block).splitlines():
+            line = re.sub(r"\s+#\s.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+def notebook_calls() -> dict[str, list[str]]:
+    """The Python calls the notebooks' text gives in inline code, with the notebooks that give each."""
+    found: dict[str, list[str]] = {}
+    for path in notebooks.notebook_paths():
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "markdown":
+                for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", "".join(cell["source"])):
+                    if _CALL_TO_TYPE.match(span):
+                        found.setdefault(span, []).append(path.stem)
+    return found
+
+
+def test_every_documented_line_is_run_or_excused():
+    readme = readme_commands((ROOT / "README.md").read_text())
+    assert len(readme) >= 8  # the extractor finds the README's commands
+    assert [line for line in readme if line not in NOT_RUN and not line.startswith(".venv/bin/python ")] == []
+    assert sorted(set(NOT_RUN) - set(readme)) == []  # no excuse for a line that is gone
+    assert [old for old in SWAPS if sum(old in line for line in readme) != 1] == []
+    assert sorted(notebook_calls()) == sorted(NOTEBOOK_CALLS)
+
+
+def test_the_extractors_read_continuations_comments_and_inline_code():
+    text = "```bash\nmake x   # why\n# a comment\n.venv/bin/python -m a \\\n  --b c\n```\n```\nnot bash\n```"
+    assert readme_commands(text) == ["make x", ".venv/bin/python -m a --b c"]
+    assert _CALL_TO_TYPE.match("pipe.load_lora_weights(output_dir)")
+    assert not _CALL_TO_TYPE.match("python -m helpers.train") and not _CALL_TO_TYPE.match("config.to_args")
+
+
+@pytest.fixture(scope="module")
+def documented_run(tmp_path_factory) -> dict[str, Path]:
+    """Every README line that runs here, in its order, in one folder (later lines use earlier outputs),
+    offline; `.venv/bin/python` is this interpreter, `helpers/assets` the package's."""
+    cwd = tmp_path_factory.mktemp("readme")
+    (cwd / "helpers").mkdir()
+    (cwd / "helpers" / "assets").symlink_to(ROOT / "helpers" / "assets")
+    _bash(DEMO_OUTPUT.format(sample=data.sample_concept_dir()), cwd, OFFLINE)
+    for line in readme_commands((ROOT / "README.md").read_text()):
+        if line in NOT_RUN:
+            continue
+        for old, new in SWAPS.items():
+            line = line.replace(old, new)
+        _bash(line.replace(".venv/bin/python", shlex.quote(sys.executable), 1), cwd, OFFLINE, timeout=900)
+    return {"cwd": cwd, "ti_output": cwd / "build" / "outputs" / "pip-toyworld", "lora_output": cwd / "lora"}
+
+
+@pytest.mark.slow
+def test_readme_lines_run_offline(documented_run):
+    cwd = documented_run["cwd"]
+    assert (cwd / "out" / "learned_embeds.safetensors").is_file() and (
+        cwd / "out-ov" / "model_index.json"
+    ).is_file()
+    assert (cwd / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert list((cwd / "images").glob("*.png"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", sorted(NOTEBOOK_CALLS))
+def test_notebook_calls_run_offline(call, documented_run):
+    setup, check = NOTEBOOK_CALLS[call]
+    values = {k: str(v) for k, v in documented_run.items()} | {
+        "toyworld": str(models.resolve_model("toyworld"))
+    }
+    script = setup.format(**values) + f"_ = {call}\n" + check + "\n"
+    env = {**os.environ, **OFFLINE}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, f"{call} fails offline:\n{done.stderr[-2000:]}"
