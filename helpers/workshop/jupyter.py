@@ -13,18 +13,41 @@ a notebook already there is an attendee's work and is never replaced.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
+from jupyterlab.labapp import LabApp
+
 from helpers.core.errors import InputError, run_cli
-from helpers.core.files import write_path_atomic
+from helpers.core.files import write_path_atomic, write_text_atomic
 from helpers.training.models import hub_unreachable_reason
 from helpers.workshop.notebooks import notebook_paths, tiny_profile
 
 logger = logging.getLogger(__name__)
+
+# JupyterLab settings the workshop needs (plugin id -> settings), installed as an overrides.d file.
+# Comms over kernel subshells (JupyterLab's default, perCommTarget) run widget messages on a thread of
+# their own while a cell runs; each publishes the kernel's busy/idle status, so the status bar (and
+# the server's API) read Idle through a whole training run. Disabled, comm messages wait for the cell
+# as they always did: the status reads Busy while a cell runs.
+LAB_SETTINGS = {"@jupyterlab/apputils-extension:kernels-settings": {"commsOverSubshells": "disabled"}}
+OVERRIDES_FILE = "sd-cpu-workshop.json"
+
+
+def app_settings_dir() -> Path:
+    """JupyterLab's application settings folder of this environment (where it reads overrides.d/)."""
+    return Path(LabApp().app_settings_dir)
+
+
+def install_lab_settings(settings_dir: str | os.PathLike | None = None) -> Path:
+    """Write :data:`LAB_SETTINGS` as ``overrides.d/sd-cpu-workshop.json`` (defaults for every user of
+    this environment, which each can still change in JupyterLab's settings editor)."""
+    path = Path(settings_dir or app_settings_dir()) / "overrides.d" / OVERRIDES_FILE
+    return write_text_atomic(path, json.dumps(LAB_SETTINGS, indent=1) + "\n")
 
 
 def decide_offline(choice: str = "auto") -> tuple[bool, str]:
@@ -87,9 +110,13 @@ def main(args: argparse.Namespace) -> int:
     written = prepare(args.folder, offline)
     profile = "the offline profile (toy world, Pip)" if offline else "their real defaults (the Hub)"
     logger.info("%d notebook(s) prepared in %s with %s: %s", len(written), args.folder, profile, why)
+    logger.info("JupyterLab settings: %s", install_lab_settings())
     if args.prepare_only:
         return 0
-    env = dict(os.environ)
+    # JupyterLab's terminals find this environment's programs first (`python`, `tensorboard`, as 02 says)
+    env = dict(
+        os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     else:

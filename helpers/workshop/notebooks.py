@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from helpers.cluster import estimates
+from helpers.cluster.azure.spec import ClusterSpec
 from helpers.core.errors import InputError, run_cli
 from helpers.core.files import write_path_atomic
 from helpers.core.sources import classify_source
@@ -111,6 +113,20 @@ def tiny_profile(notebook: str | os.PathLike) -> dict[str, Any]:
     """The offline tiny-profile parameters for a notebook (from ``notebooks/tiny_profile.yaml``)."""
     profiles = yaml.safe_load(TINY_PROFILE_FILE.read_text()) or {}
     return dict(profiles.get(Path(notebook).stem) or {})
+
+
+def memory_box(resolution: int, precision: str, vm_size: str = ClusterSpec.vm_size) -> str:
+    """Markdown for notebook 02's time box: the memory one training process needs at ``resolution`` and
+    ``precision`` (``"no"``: fp32, or ``"bf16"``), where that figure comes from, and how many such
+    processes fit one ``vm_size`` node (notebook 01's, by default)."""
+    need = estimates.memory_per_process(resolution, precision)
+    fit = estimates.processes_that_fit(vm_size, resolution, precision)
+    name = {"no": "fp32"}.get(precision, precision)
+    return (
+        f"> **Memory.** One training process needs about {need / 2**30:.1f} GiB at {resolution} px in {name}; "
+        f"a {vm_size} node fits {fit} such process{'es' if fit != 1 else ''}. "
+        f"Basis: {estimates.memory_basis(resolution, precision)}."
+    )
 
 
 def _literal(value: Any) -> str:

@@ -91,3 +91,13 @@ def test_unedited_notebook_offline_stops_at_once_naming_its_parameters(stem, nam
     assert "raised InputError" in message
     assert [n for n in names if f"{n} = {json.dumps(offline[n])}" not in message] == []
     assert not list(tmp_path.glob("outputs*")) and not (tmp_path / "concepts").exists()  # nothing started
+
+
+def test_lab_settings_turn_comms_over_subshells_off(tmp_path):
+    """Comms on subshells publish the kernel's idle status while a cell runs (the status bar read Idle
+    through a training run); the browser test starts JupyterLab with these same settings."""
+    path = jupyter.install_lab_settings(tmp_path)
+    assert path == tmp_path / "overrides.d" / "sd-cpu-workshop.json"
+    assert json.loads(path.read_text()) == {
+        "@jupyterlab/apputils-extension:kernels-settings": {"commsOverSubshells": "disabled"}
+    }

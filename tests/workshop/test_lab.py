@@ -19,6 +19,7 @@ import ast
 import atexit
 import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -37,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from helpers.workshop import notebooks
+from helpers.workshop import jupyter, notebooks
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))  # every notebook, so a new one is tested too
@@ -170,6 +172,7 @@ return panel.content.widgets.map((cell, index) => {
       evalue: json.evalue || null,
       mime: out ? out.getAttribute('data-mime-type') : null,
       widgetView: !!(json.data && json.data['application/vnd.jupyter.widget-view+json']),
+      widgetDrawn: !!child.querySelector('.jupyter-widgets'),
       prompt: text(child.querySelector('.jp-OutputPrompt')).trim(),
       text: text(out),
     };
@@ -306,6 +309,8 @@ class Lab:
 def start_server(root: Path, work: Path, latent_cache: Path) -> Lab:
     token, port = secrets.token_hex(16), free_port()
     settings, workspaces = work / "lab-settings", work / "lab-workspaces"
+    app_settings = work / "lab-app-settings"
+    jupyter.install_lab_settings(app_settings)  # what `make lab` installs for attendees
     for name, value in LAB_SETTINGS.items():
         path = settings / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -325,6 +330,7 @@ def start_server(root: Path, work: Path, latent_cache: Path) -> Lab:
         sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
         f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}",
+        f"--LabApp.app_settings_dir={app_settings}",
         "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: its commands, shell and models
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
     ]  # fmt: skip
@@ -510,6 +516,65 @@ def click_accelerate_form(lab: Lab, findings: list[str]) -> None:
         )
 
 
+def _png(size: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (size, size), (20, 160, 150)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def upload_pictures(lab: Lab, findings: list[str]) -> None:
+    """Notebook 02: upload a good picture and three bad files through its form, as a person picks them
+    in the browser's file dialog; only the good one may land in my_pictures/, each bad one gets its line."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.by import By
+
+    good = _png(96)
+    files = {
+        "duck.png": good,
+        "notes.txt": b"not a picture\n",
+        "small.png": _png(16),
+        "broken.png": good[:200],
+    }
+    picked = Path(tempfile.mkdtemp(prefix="lab-upload-"))
+    for name, content in files.items():
+        (picked / name).write_bytes(content)
+    driver = lab.driver
+    try:
+        field_ = driver.find_element(By.CSS_SELECTOR, ".widget-upload input[type=file], input[type=file]")
+        driver.execute_script("arguments[0].style.display = 'block'", field_)  # the dialog's input, shown
+        field_.send_keys("\n".join(str(picked / name) for name in files))
+    except WebDriverException as err:
+        findings.append(f"upload form: cannot use it: {type(err).__name__}: {err.msg}")
+        return
+    folder = lab.root / "my_pictures"
+
+    def answered():
+        shown = driver.find_elements(
+            By.XPATH, "//div[contains(@class,'jupyter-widgets')]//pre[contains(., 'kept')]"
+        )
+        return shown[0].text if shown else None
+
+    deadline = time.monotonic() + FORM_WRITE_S
+    while time.monotonic() < deadline and not answered():
+        time.sleep(0.5)
+    text = answered() or ""
+    kept = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if kept != ["duck.png"] or (folder / "duck.png").read_bytes() != good:
+        findings.append(f"upload form: my_pictures/ holds {kept}, expected only duck.png")
+    for name, why in (
+        ("notes.txt", "not a picture"),
+        ("small.png", "16x16 px is smaller"),
+        ("broken.png", "corrupt"),
+    ):
+        if not any(line.startswith(f"refused {name}: ") and why in line for line in text.splitlines()):
+            findings.append(f"upload form: no line saying why {name} was refused ({why!r}) in {text[:300]!r}")
+    grid = driver.find_elements(By.XPATH, "//div[contains(@class,'jupyter-widgets')]//img")
+    if not any(img.get_property("naturalWidth") for img in grid):
+        findings.append("upload form: no picture grid shown after the upload")
+
+
 def last_statement_is_record(source: str) -> bool:
     try:
         body = ast.parse(source).body
@@ -541,7 +606,7 @@ def findings_on_screen(cells: list[dict]) -> list[str]:
             text = out["text"]
             # A widget the page cannot draw falls back to its text ("  0%|   | 0/200", "HBox(...)"); a
             # launcher relaying its processes' bars on stdout is by design, and stderr is reported above.
-            as_text = out["widgetView"] and out["mime"] != "application/vnd.jupyter.widget-view+json"
+            as_text = out["widgetView"] and not out["widgetDrawn"]
             if as_text or (out["mime"] == "text/plain" and re.search(r"\d+%\|", text)):
                 found.append(f"{where}: a progress bar or widget shown as text, not a widget: {text[:120]!r}")
             if (
@@ -560,8 +625,12 @@ def findings_on_screen(cells: list[dict]) -> list[str]:
 
 
 def findings_in_kernel_status(samples: list[dict], code_cell_index: list[int]) -> list[str]:
-    """The status bar must not read Idle while a cell runs (a few seconds between cells aside)."""
+    """The status bar must not read Idle while a cell runs (a few seconds between cells aside), and
+    where a cell ran that long, it must have read Busy."""
     found, streak = [], []
+    running = [s for s in samples if s["pending"]]
+    if len(running) * POLL_S >= IDLE_WHILE_RUNNING_S and not any("| Busy" in s["statusbar"] for s in running):
+        found.append(f"the status bar never read 'Busy' in {len(running)} samples taken while cells ran")
     for s in [*samples, None]:
         idle = s is not None and s["pending"] and "| Idle" in s["statusbar"]
         if idle:
@@ -628,6 +697,8 @@ def run_in_lab(lab: Lab, nb: Path) -> LabRun:
     ran = time.monotonic()
     if finished and nb.stem.startswith("03_"):
         click_accelerate_form(lab, findings)
+    if finished and nb.stem.startswith("02_"):
+        upload_pictures(lab, findings)
     wait_for(f"{name}: images loaded or failed", lambda: lab.js(JS_IMAGES_SETTLED, name), 30)
     cells = lab.js(JS_INSPECT, name)
     shot = ARTIFACTS / f"{nb.stem}.png"

@@ -167,3 +167,16 @@ def test_record_all_records_each_value_and_returns_none(caplog):
     caplog.set_level("INFO", logger="helpers.workshop.notebooks")
     assert notebooks.record_all({"loss": 0.25, "steps": [1, 2]}) is None
     assert [r.getMessage() for r in caplog.records] == ["recorded loss = 0.25", "recorded steps = [1, 2]"]
+
+
+def test_memory_box_names_the_need_the_fit_and_the_result_file():
+    from helpers.cluster import estimates
+
+    text = notebooks.memory_box(512, "no", "Standard_D8_v5")
+    need = estimates.memory_per_process(512, "no") / 2**30
+    fit = estimates.processes_that_fit("Standard_D8_v5", 512, "no")
+    assert text.startswith(
+        f"> **Memory.** One training process needs about {need:.1f} GiB at 512 px in fp32; "
+    )
+    assert f"a Standard_D8_v5 node fits {fit} such process" in text
+    assert "bench/results/train_step-sd15-shape-256px.json" in text  # the figure's home, named
