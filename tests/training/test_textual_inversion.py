@@ -333,9 +333,11 @@ def test_a_failed_pipeline_copy_fails_the_run_and_leaves_no_pipeline(tmp_path, m
         raise OSError(28, "No space left on device", str(dst))
 
     monkeypatch.setattr(saving.files, "copy_file_uncached", full_disk)
-    with pytest.raises(OSError, match="No space left on device"):
-        ti.train(tiny_config(tmp_path, max_train_steps=2, save_as_full_pipeline=True))
     out = tmp_path / "run"
+    with pytest.raises(saving.StorageError) as err:  # one line naming the path and the free space
+        ti.train(tiny_config(tmp_path, max_train_steps=2, save_as_full_pipeline=True))
+    assert str(err.value).startswith(f"saving the full pipeline to {out} failed: No space left on device; ")
+    assert " free on that disk. Fix: free space there" in str(err.value)
     assert (out / "learned_embeds.safetensors").is_file()  # written before the pipeline
     assert not (out / "model_index.json").exists() and not (out / "run_summary.json").exists()
     assert not list(out.glob(".*"))  # the copy's temporary is removed
