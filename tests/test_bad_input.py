@@ -40,7 +40,9 @@ SCORE = ["score", "--prompt", "a photo of <pip>", "--output_dir", "{tmp}/scores"
 LAUNCH = ["--launcher", "torchrun", "--dry_run"]
 # An interrupted DreamBooth run of DREAM's settings with a complete checkpoint-8 (is_complete looks
 # for accelerate's random_states_0.pkl; nothing is loaded before the checks refuse).
-DREAM_RUN = "pretrained_model_name_or_path: tiny\nseed: 0\nrank: 4\ntrain_text_encoder: false\nmax_train_steps: 8\n"
+DREAM_RUN = (
+    "pretrained_model_name_or_path: tiny\nseed: 0\nrank: 4\ntrain_text_encoder: false\nmax_train_steps: 8\n"
+)
 DREAM_CKPT = {"out/dreambooth_config.yaml": DREAM_RUN, "out/checkpoints/checkpoint-8/dreambooth_config.yaml": DREAM_RUN,
               "out/checkpoints/checkpoint-8/random_states_0.pkl": b"x"}  # fmt: skip
 
@@ -430,7 +432,15 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(
 
 
 def test_every_command_is_in_the_table():
-    assert {c.cli for c in CASES} == {"train", "dreambooth", "launch", "inference", "toyworld", "azure", "data"}
+    assert {c.cli for c in CASES} == {
+        "train",
+        "dreambooth",
+        "launch",
+        "inference",
+        "toyworld",
+        "azure",
+        "data",
+    }
 
 
 # --- what used to crash and is now accepted -------------------------------------------------------

@@ -19,6 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+
+from helpers import launch
+from helpers.launching import commands, job, preflight, rank_output, supervise
+from helpers.launching import ray_train as ray_launch
+from helpers.launching.layout import ClusterLayout, free_port
+from helpers.ranks import faults, status
 from launching.test_launch import (
     SPLIT_ATOL,
     SPLIT_LOSS_REL,
@@ -26,12 +32,6 @@ from launching.test_launch import (
     learned,
     train_args,
 )  # tests/ is on sys.path under pytest
-
-from helpers import launch
-from helpers.launching import commands, job, preflight, rank_output, supervise
-from helpers.launching import ray_train as ray_launch
-from helpers.launching.layout import ClusterLayout, free_port
-from helpers.ranks import faults, status
 
 RAY_PROCESSES = ("raylet", "gcs_server")
 
