@@ -202,6 +202,18 @@ return panel.content.widgets.map((cell, index) => {
 """
 )
 
+JS_FILE_PICKER = """
+if (window.__workshopPicker) return;
+window.__workshopPicker = true;
+const click = HTMLInputElement.prototype.click;
+HTMLInputElement.prototype.click = function () {
+  if (this.type !== 'file' || this.isConnected) return click.call(this);
+  this.id = 'workshop-file-picker';
+  this.style.display = 'block';
+  document.body.appendChild(this);  // where Selenium can give it files, as the dialog would
+};
+"""
+
 JS_IMAGES_SETTLED = (
     JS_PANEL
     + """
@@ -542,9 +554,14 @@ def upload_pictures(lab: Lab, findings: list[str]) -> None:
         (picked / name).write_bytes(content)
     driver = lab.driver
     try:
-        field_ = driver.find_element(By.CSS_SELECTOR, ".widget-upload input[type=file], input[type=file]")
-        driver.execute_script("arguments[0].style.display = 'block'", field_)  # the dialog's input, shown
-        field_.send_keys("\n".join(str(picked / name) for name in files))
+        # ipywidgets' upload button clicks a file <input> it never puts in the page (the browser's file
+        # dialog); here that click puts the input in the page instead, and Selenium picks the files in it.
+        driver.execute_script(JS_FILE_PICKER)
+        button = driver.find_element(By.CSS_SELECTOR, ".widget-upload")
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", button)
+        button.click()
+        picker = driver.find_element(By.ID, "workshop-file-picker")
+        picker.send_keys("\n".join(str(picked / name) for name in files))
     except WebDriverException as err:
         findings.append(f"upload form: cannot use it: {type(err).__name__}: {err.msg}")
         return
