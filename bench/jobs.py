@@ -107,6 +107,5 @@ def run_job(
     return Outcome(status, seconds, code, tail, complete, age, alive)
 
 
-def _lock_held(path: Path) -> bool:
-
+def _lock_held(path: Path) -> bool:  # run_one's own `status` is the outcome's word
     return status.lock_held(path)

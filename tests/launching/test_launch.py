@@ -24,9 +24,9 @@ import torch
 from helpers import launch
 from helpers.cluster import scaling
 from helpers.core import errors
-from helpers.launching import commands, job, rank_output, supervise
+from helpers.launching import commands, job, rank_output
 from helpers.launching.layout import ClusterLayout, free_port
-from helpers.ranks import faults, oneccl
+from helpers.ranks import faults, oneccl, status
 from helpers.ranks.backend import select_backend
 from helpers.training import data
 
@@ -526,7 +526,7 @@ def watch_exit(status_dir: Path, rank: int, seen: list[float]) -> None:
     """Note when ``rank``'s process ended: its status lock free after having been held."""
     lock, held = status_dir / f"rank{rank}.lock", False
     while True:
-        now_held = supervise._lock_held(lock)
+        now_held = status.lock_held(lock)
         if held and not now_held:
             seen.append(time.monotonic())
             return
