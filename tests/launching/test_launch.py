@@ -582,9 +582,9 @@ def test_a_rank_that_stops_making_steps_is_named_and_the_job_stopped(tmp_path, c
 # --- the launcher's own end ------------------------------------------------------------------------
 
 
-def _rank_pids(status: Path) -> list[int]:
+def _rank_pids(folder: Path) -> list[int]:
     found = []
-    for path in status.glob("rank*.json"):
+    for path in folder.glob("rank*.json"):
         try:
             found.append(json.loads(path.read_text())["pid"])
         except (json.JSONDecodeError, KeyError):
@@ -614,28 +614,31 @@ def test_no_rank_outlives_its_launcher_however_it_ends(tmp_path, launcher, sig):
     # Rank 0 goes silent after step 2 (rank 1 then waits in the all-reduce): no output reaches
     # the launcher's pipes, so nothing but the launcher's lock can tell the ranks it is gone.
     env = dict(os.environ, **{faults.STALL: "0:2"})
-    job = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True, start_new_session=True, env=env)  # fmt: skip
-    status, deadline = out / "launch" / "status", time.monotonic() + 240
+    status_dir, deadline = out / "launch" / "status", time.monotonic() + 240
     try:
-        while len(_rank_pids(status)) < 2 or json.loads((status / "rank0.json").read_text()).get("step") != 2:
-            assert job.poll() is None, job.stderr.read()[-3000:]
+        while (
+            len(_rank_pids(status_dir)) < 2
+            or json.loads((status_dir / "rank0.json").read_text()).get("step") != 2
+        ):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "rank 0 did not reach step 2 within 240 s"
             time.sleep(0.5)
         time.sleep(2.0)  # both ranks silent now
-        ranks = [psutil.Process(pid) for pid in _rank_pids(status)]
-        job.send_signal(sig)
+        ranks = [psutil.Process(pid) for pid in _rank_pids(status_dir)]
+        proc.send_signal(sig)
         gone, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"ranks still running 10 s after {sig.name} to the launcher: {alive}"
-        assert job.wait(timeout=30) != 0
+        assert proc.wait(timeout=30) != 0
         if sig != signal.SIGKILL:  # the launcher itself said what happened and how to go on
-            err = job.stderr.read()
+            err = proc.stderr.read()
             assert f"error: interrupted ({sig.name} received); every rank was stopped" in err
             assert "--resume_from_checkpoint latest" in err
         assert not (out / "run_summary.json").exists()
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        for pid in _rank_pids(status):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _rank_pids(status_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
