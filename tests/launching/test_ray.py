@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from helpers.launching import ray_train as ray_launch
 from helpers.launching.layout import ClusterLayout, free_port
 from helpers.ranks import faults, status
 from launching.test_launch import (
+    AUTO,
     SPLIT_ATOL,
     SPLIT_LOSS_REL,
     history_losses,
@@ -212,13 +214,17 @@ def test_dry_run_prints_the_driver_command(tmp_path, capsys, monkeypatch):
     flags = ["--launcher", "ray", "--nproc_per_node", "4", "--num_nodes", "3", "--threads_per_process", "2",
              "--ray_address", "auto", "--dry_run", "--", *train_args(tmp_path / "out")]  # fmt: skip
     assert launch.main(launch.parse_args(flags)) == 0
-    comment, command = capsys.readouterr().out.splitlines()
+    comment, *variables, command = capsys.readouterr().out.splitlines()
     assert comment == f"# ray, on the head node, from {tmp_path}:"
+    # the backend's variables (oneCCL's where it is built), one comment line each: NAME=value: the reason
+    assert all(re.fullmatch(r"#   [A-Z_]+=\S*: .+", line) for line in variables), variables
     work = tmp_path / "out" / "launch"
     assert command.startswith(
         f"{sys.executable} -m helpers.launching.ray_train --nproc_per_node 4 --num_nodes 3 --threads_per_process 2 "
-        f"--work_dir {work} --status_dir {work / 'status'} --ray_address auto -- --pretrained_model_name_or_path tiny"
+        f"--work_dir {work} --status_dir {work / 'status'} --backend {AUTO} --ray_address auto "
+        "-- --pretrained_model_name_or_path tiny"
     )
+    assert bool(variables) == (AUTO == "ccl")  # gloo needs no variables of its own
 
 
 def test_nodes_must_match_this_environment_and_hold_the_workers():
