@@ -34,7 +34,14 @@ logger = logging.getLogger(__name__)
 # their own while a cell runs; each publishes the kernel's busy/idle status, so the status bar (and
 # the server's API) read Idle through a whole training run. Disabled, comm messages wait for the cell
 # as they always did: the status reads Busy while a cell runs.
-LAB_SETTINGS = {"@jupyterlab/apputils-extension:kernels-settings": {"commsOverSubshells": "disabled"}}
+# Widget state saved in the notebook (jupyterlab_widgets' saveState, off by default): a notebook
+# reopened after its kernel has gone showed "Error displaying widget: model not found" where each
+# tqdm bar was; with the state saved on every save, the widget manager rebuilds the bars' models
+# from it and draws them as they last were.
+LAB_SETTINGS = {
+    "@jupyterlab/apputils-extension:kernels-settings": {"commsOverSubshells": "disabled"},
+    "@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": True},
+}
 OVERRIDES_FILE = "sd-cpu-workshop.json"
 
 

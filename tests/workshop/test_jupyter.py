@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from jupyter_core.paths import jupyter_path
 
 from helpers.core.errors import InputError
 from helpers.workshop import jupyter, notebooks
@@ -93,11 +95,36 @@ def test_unedited_notebook_offline_stops_at_once_naming_its_parameters(stem, nam
     assert not list(tmp_path.glob("outputs*")) and not (tmp_path / "concepts").exists()  # nothing started
 
 
-def test_lab_settings_turn_comms_over_subshells_off(tmp_path):
+def test_lab_settings_turn_comms_over_subshells_off_and_save_widget_state(tmp_path):
     """Comms on subshells publish the kernel's idle status while a cell runs (the status bar read Idle
-    through a training run); the browser test starts JupyterLab with these same settings."""
+    through a training run); without saved widget state a reopened notebook shows "model not found"
+    where each bar was. The browser test starts JupyterLab with these same settings."""
     path = jupyter.install_lab_settings(tmp_path)
     assert path == tmp_path / "overrides.d" / "sd-cpu-workshop.json"
     assert json.loads(path.read_text()) == {
-        "@jupyterlab/apputils-extension:kernels-settings": {"commsOverSubshells": "disabled"}
+        "@jupyterlab/apputils-extension:kernels-settings": {"commsOverSubshells": "disabled"},
+        "@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": True},
     }
+
+
+def test_lab_settings_exist_in_the_installed_extensions_schemas():
+    """Each overridden setting is one the installed JupyterLab or extension declares, with a value it
+    allows (a misspelt plugin id or setting would be ignored by JupyterLab without a word)."""
+    from jupyterlab.labapp import LabApp
+
+    json_types = {str: "string", bool: "boolean"}
+    for plugin, settings in jupyter.LAB_SETTINGS.items():
+        package, name = plugin.split(":")
+        candidates = [Path(LabApp().schemas_dir) / package / f"{name}.json"] + [
+            Path(folder) / package / "schemas" / package / f"{name}.json"
+            for folder in jupyter_path("labextensions")
+        ]
+        found = [path for path in candidates if path.is_file()]
+        assert found, f"no schema for {plugin} in {candidates}"
+        properties = json.loads(found[0].read_text())["properties"]
+        for key, value in settings.items():
+            assert key in properties, f"{plugin} has no setting {key!r}"
+            declared = properties[key]
+            assert declared["type"] == json_types[type(value)], (plugin, key, declared)
+            allowed = [choice["const"] for choice in declared.get("oneOf", [])]
+            assert not allowed or value in allowed, (plugin, key, allowed)
