@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 from jupyter_core.paths import jupyter_path
@@ -41,12 +42,46 @@ def test_online_notebooks_keep_their_defaults_and_an_attendees_notebook_is_kept(
 def test_the_switch(monkeypatch):
     assert jupyter.decide_offline("1") == (True, "--offline 1")
     assert jupyter.decide_offline("0") == (False, "--offline 0")
-    monkeypatch.setattr(jupyter, "hub_unreachable_reason", lambda: "HF_HUB_OFFLINE is set")
-    assert jupyter.decide_offline("auto") == (True, "the Hub cannot be reached: HF_HUB_OFFLINE is set")
-    monkeypatch.setattr(jupyter, "hub_unreachable_reason", lambda: None)
+    monkeypatch.setattr(jupyter, "hub_connection_problem", lambda: "huggingface.co:443 cannot be reached")
+    assert jupyter.decide_offline("auto") == (
+        True,
+        "the Hub cannot be reached: huggingface.co:443 cannot be reached",
+    )
+    monkeypatch.setattr(jupyter, "hub_connection_problem", lambda: None)
     assert jupyter.decide_offline("auto")[0] is False
     with pytest.raises(InputError, match="--offline 'yes' is not one of auto, 1, 0"):
         jupyter.decide_offline("yes")
+
+
+def test_auto_asks_the_network_not_the_offline_variable_make_exports(monkeypatch):
+    """`make lab` runs with the Makefile's HF_HUB_OFFLINE=1 in its environment; auto must still go
+    online where the Hub answers (it read "HF_HUB_OFFLINE is set" and always chose offline)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    calls = []
+
+    class Connection:
+        def close(self):
+            pass
+
+    def connect(address, timeout):
+        calls.append(address)
+        return Connection()
+
+    monkeypatch.setattr(jupyter.socket, "create_connection", connect)
+    assert jupyter.decide_offline("auto") == (False, "the Hub can be reached")
+    assert [host for host, _ in calls] == [
+        urlparse(constants.ENDPOINT).hostname
+    ]  # asked once, over the network
+
+    def refuse(address, timeout):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(jupyter.socket, "create_connection", refuse)
+    offline, why = jupyter.decide_offline("auto")
+    assert offline and why.endswith("cannot be reached (Name or service not known)")
 
 
 def test_a_notebook_names_its_own_parameters_and_their_offline_values(monkeypatch, tmp_path):
