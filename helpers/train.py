@@ -14,9 +14,8 @@ if __name__ == "__main__":
     gc.disable()  # while the imports below run; exit_with turns it back on (see its docstring)
 
 import logging
-import sys
 
-from helpers.core.errors import exit_with, run_cli
+from helpers.core.errors import exit_with, run_training_cli
 from helpers.ranks import faults, status
 from helpers.training.config import TrainConfig, parse_args
 from helpers.training.engine.checkpoints import INTERRUPTED, INTERRUPTED_EXIT
@@ -35,15 +34,11 @@ def main(args: TrainConfig) -> TrainResult:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.core.errors.run_cli`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per checkpoint file otherwise
-    status.start()  # under helpers.launch: this rank's lock and status, until the process is gone
-    try:
-        return run_cli(main, parse_args, argv, also=(HubUnavailableError,))
-    except KeyboardInterrupt:  # one line saying how to resume, not the traceback of wherever it hit
-        sys.stderr.write(f"\n{INTERRUPTED}\n")
-        return INTERRUPTED_EXIT
+    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.core.errors.run_training_cli`."""
+    # status.start: under helpers.launch, this rank's lock and status until the process is gone
+    return run_training_cli(
+        main, parse_args, argv, status.start, INTERRUPTED, INTERRUPTED_EXIT, also=(HubUnavailableError,)
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ line that names the input and says the fix. Every ``python -m helpers.<x>`` entr
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -153,3 +154,33 @@ def exit_with(cli: Callable[[], int]) -> NoReturn:
     code = cli()
     gc.freeze()
     raise SystemExit(code)
+
+
+def run_training_cli(
+    main: Callable[[Any], Any],
+    parse_args: Callable[[list[str] | None], Any],
+    argv: list[str] | None,
+    start: Callable[[], Any],
+    interrupted: str,
+    interrupted_exit: int,
+    also: tuple[type[BaseException], ...] = (),
+) -> int:
+    """:func:`run_cli` for a command that trains (``helpers.train``, ``helpers.dreambooth``).
+
+    Logs at INFO with times (accelerate's loggers only from WARNING: a line per checkpoint file
+    otherwise), calls ``start()`` first (the rank's lock and status under ``helpers.launch``), and
+    turns Ctrl-C into the one line ``interrupted`` (how to resume) and exit code ``interrupted_exit``
+    rather than the traceback of wherever it hit. The training layer's pieces come as arguments:
+    this module is the lowest layer and imports none of them.
+
+    Returns:
+        The exit code.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+    start()
+    try:
+        return run_cli(main, parse_args, argv, also=also)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\n{interrupted}\n")
+        return interrupted_exit
