@@ -143,8 +143,8 @@ def test_openvino_snippet_of_the_blog_loads_the_output_dir(single_node_output, t
 
 # --- The lines this workshop itself tells a person to type: the README and the notebooks ----------
 #
-# Every command of the README's ```bash blocks and every Python call a notebook's text gives in
-# `code` (``pipe.…(…)``, ``…Pipeline.from_pretrained(…)``) is found by the extractors below and must
+# Every command of the README's ```bash blocks and every Python call the README's or a notebook's text
+# gives in `code` (``pipe.…(…)``, ``…Pipeline.from_pretrained(…)``) is found by the extractors below and must
 # be in one of the tables: run (as printed, or with the listed swaps, for a small run) in the
 # workshop's offline environment, or not run here with the reason. A new line in the README or a
 # notebook fails test_every_documented_line_is_run_or_excused until it is classified.
@@ -155,6 +155,14 @@ _CALL_TO_TYPE = re.compile(r"^(?:pipe\.\w+|\w+Pipeline\.from_pretrained)\(.*\)$"
 NOT_RUN = {
     "make demo": "runs every notebook offline: tests/workshop/test_notebooks.py runs the same",
     "make test": "the test suite itself",
+    "make lab": (
+        "starts JupyterLab, a server that runs until stopped: tests/workshop/test_jupyter.py checks how it "
+        "prepares the notebooks and decides offline, tests/workshop/test_lab.py (slow) runs them in JupyterLab"
+    ),
+    ".venv/bin/tensorboard --logdir out/logs": (
+        "starts TensorBoard, a server that runs until stopped: tests/training/test_tracking.py reads the "
+        "event files under <output_dir>/logs back with TensorBoard's own reader"
+    ),
     ".venv-ipex/bin/python -m helpers.train --use_ipex <the same flags>": (
         "a template, in the second environment: tests/test_ipex.py runs the IPEX path"
     ),
@@ -181,7 +189,8 @@ DEMO_OUTPUT = (
     "--placeholder_token '<pip>' --initializer_token toy --resolution 64 --max_train_steps 2 "
     "--output_dir build/outputs/pip-toyworld --save_as_full_pipeline"
 )
-# Each notebook call with what it needs first (in a fresh offline interpreter) and what it must do.
+# Each call of the notebooks' and the README's text with what it needs first (in a fresh offline
+# interpreter) and what it must do; the README's calls name the folders its commands wrote ({cwd}).
 NOTEBOOK_CALLS = {
     "pipe.load_textual_inversion(path)": (
         "from diffusers import StableDiffusionPipeline\n"
@@ -196,6 +205,15 @@ NOTEBOOK_CALLS = {
     'pipe.load_lora_weights(output_dir, weight_name="pytorch_lora_weights.safetensors")': (
         "from diffusers import StableDiffusionPipeline\n"
         "pipe = StableDiffusionPipeline.from_pretrained({toyworld!r})\noutput_dir = {lora_output!r}\n",
+        "assert pipe.get_active_adapters(), 'no LoRA adapter loaded'",
+    ),
+    'StableDiffusionPipeline.from_pretrained("out")': (
+        "import os\nfrom diffusers import StableDiffusionPipeline\nos.chdir({cwd!r})\n",
+        "assert '<dicoo>' in _.tokenizer.get_vocab()",
+    ),
+    'pipe.load_lora_weights("lora", weight_name="pytorch_lora_weights.safetensors")': (
+        "import os\nfrom diffusers import StableDiffusionPipeline\n"
+        "pipe = StableDiffusionPipeline.from_pretrained({toyworld!r})\nos.chdir({cwd!r})\n",
         "assert pipe.get_active_adapters(), 'no LoRA adapter loaded'",
     ),
 }
@@ -213,14 +231,19 @@ def readme_commands(text: str) -> list[str]:
 
 
 def notebook_calls() -> dict[str, list[str]]:
-    """The Python calls the notebooks' text gives in inline code, with the notebooks that give each."""
+    """The Python calls the notebooks' markdown and the README's prose give in inline code, with where each is."""
+    texts = [
+        (path.stem, "".join(cell["source"]))
+        for path in notebooks.notebook_paths()
+        for cell in json.loads(path.read_text())["cells"]
+        if cell["cell_type"] == "markdown"
+    ]
+    texts.append(("README", re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(), flags=re.S)))
     found: dict[str, list[str]] = {}
-    for path in notebooks.notebook_paths():
-        for cell in json.loads(path.read_text())["cells"]:
-            if cell["cell_type"] == "markdown":
-                for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", "".join(cell["source"])):
-                    if _CALL_TO_TYPE.match(span):
-                        found.setdefault(span, []).append(path.stem)
+    for where, text in texts:
+        for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text):
+            if _CALL_TO_TYPE.match(span):
+                found.setdefault(span, []).append(where)
     return found
 
 
