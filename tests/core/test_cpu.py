@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import time
 
 import pytest
 import torch
@@ -99,3 +101,91 @@ def test_keep_freed_memory_applies_on_glibc_and_restores_on_exit():
         assert applied is (cpu._glibc() is not None)
     with cpu.keep_freed_memory() as again:  # the defaults came back: it can be entered again
         assert again is applied
+
+
+def test_only_the_first_flags_line_counts_and_a_cpuinfo_without_one_has_no_flags(tmp_path):
+    two = tmp_path / "two"
+    two.write_text("processor\t: 0\nflags\t\t: avx2 fma\nprocessor\t: 1\nflags\t\t: avx2 fma amx_bf16\n")
+    assert cpu.cpu_flags(str(two)) == frozenset({"avx2", "fma"})
+    bare = tmp_path / "bare"  # e.g. an ARM machine's cpuinfo: "Features", no "flags", no "model name"
+    bare.write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert cpu.cpu_flags(str(bare)) == frozenset()
+    assert cpu._model_name(str(bare)) == (platform.processor() or platform.machine())
+
+
+def test_auto_names_the_native_bf16_flags_it_found():
+    amx = frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"})
+    assert (
+        cpu.choose_precision("auto", amx).reason
+        == "auto: the CPU has native bf16 (amx_bf16), so bf16 autocast"
+    )
+    both = frozenset({"amx_bf16", "avx512_bf16"})
+    assert cpu.choose_precision("auto", both).reason == (
+        "auto: the CPU has native bf16 (avx512_bf16, amx_bf16), so bf16 autocast"
+    )
+    assert cpu.choose_precision("bf16", both) == cpu.PrecisionChoice(
+        "bf16", "bf16 requested and the CPU has it natively (avx512_bf16, amx_bf16)"
+    )
+    assert cpu.choose_precision("no", amx) == cpu.PrecisionChoice("no", "fp32 requested")
+
+
+def test_the_report_of_a_cpu_without_bf16_carries_the_warning(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda *args: frozenset({"avx2", "fma", "avx512f", "sse2"}))
+    report = cpu.report("bf16")
+    assert report.isa_flags == {
+        "avx2": True,
+        "fma": True,
+        "avx512f": True,
+        "avx512_bf16": False,
+        "avx512_vnni": False,
+        "avx_vnni": False,
+        "amx_bf16": False,
+        "amx_int8": False,
+        "amx_tile": False,
+    }
+    assert (report.native_bf16, report.precision) == (False, "bf16")
+    assert report.reason == (
+        "bf16 requested although the CPU has no native bf16. WARNING: mixed_precision='bf16' on a CPU "
+        "without AVX512-BF16 or AMX is emulated and about 100-150x slower than fp32 here; use "
+        "mixed_precision='auto' (fp32 on this CPU)"
+    )
+    assert cpu.report("auto").precision == "no"
+
+
+@pytest.mark.parametrize(("value", "processes"), [(None, 1), ("0", 1), ("1", 1), ("4", 4)])
+def test_local_processes_come_from_local_world_size(value, processes, monkeypatch):
+    if value is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert cpu.local_processes() == processes
+
+
+@pytest.mark.parametrize("omp", ["0", "two", ""])
+def test_an_unusable_omp_num_threads_is_ignored(omp, monkeypatch):
+    with cpu.torch_threads(torch.get_num_threads()):
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert cpu.set_threads() == cpu.physical_cores() == torch.get_num_threads()
+
+
+def test_process_age_counts_from_this_process_start():
+    import psutil
+
+    first = cpu.process_age()
+    time.sleep(0.2)
+    second = cpu.process_age()
+    assert 0 < first < second and 0.15 < second - first < 2.0
+    assert abs(second - (time.time() - psutil.Process().create_time())) < 1.5  # psutil's coarser reading
+
+
+def test_ipex_is_usable_only_when_built_for_this_torchs_minor_version(monkeypatch):
+    major, minor = torch.__version__.split(".")[:2]
+    monkeypatch.setattr(cpu, "ipex_version", lambda: f"{major}.{minor}.100+cpu")
+    assert cpu.ipex_problem() is None and cpu.ipex_available()
+    monkeypatch.setattr(cpu, "ipex_version", lambda: f"{major}.{int(minor) + 1}.0")
+    assert cpu.ipex_problem() == (
+        f"intel_extension_for_pytorch {major}.{int(minor) + 1}.0 needs torch {major}.{int(minor) + 1}, "
+        f"and this environment has torch {torch.__version__}"
+    )
+    assert not cpu.ipex_available()

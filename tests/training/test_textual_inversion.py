@@ -23,35 +23,6 @@ def components():
     return models.load_components("tiny")
 
 
-# --- placeholder tokens -------------------------------------------------------------------------
-
-
-def test_placeholder_token_names():
-    assert ti.placeholder_tokens_for("<cat>", 3) == ["<cat>", "<cat>_1", "<cat>_2"]
-    with pytest.raises(ti.TrainingInputError, match="num_vectors=0"):
-        ti.placeholder_tokens_for("<cat>", 0)
-
-
-def test_token_errors_before_heavy_work():
-    tok = models.build_clip_tokenizer()
-    with pytest.raises(ti.TrainingInputError, match="'toy</w>'|already in the tokenizer") as err:
-        ti.check_tokens(tok, "toy</w>", "toy", 1)
-    assert "choose a new token" in str(err.value)
-    with pytest.raises(ti.TrainingInputError, match="is 2 tokens"):
-        ti.check_tokens(tok, "<new>", "teddy bear", 1)
-    assert ti.check_tokens(tok, "<new>", "toy", 2) == 5988
-
-
-def test_add_placeholder_tokens_initialises_rows(components):
-    tok, te = models.build_clip_tokenizer(), models.load_components("tiny").text_encoder
-    ids = ti.add_placeholder_tokens(tok, te, "<x>", "toy", num_vectors=2)
-    assert ids == [49408, 49409] and len(tok) == 49410
-    weight = te.get_input_embeddings().weight
-    assert weight.shape == (49410, 32)
-    assert torch.equal(weight[49408], weight[5988]) and torch.equal(weight[49409], weight[5988])
-    assert tok("a <x> <x>_1 toy", add_special_tokens=False).input_ids == [320, 49408, 49409, 5988]
-
-
 # --- the step ------------------------------------------------------------------------------------
 
 
@@ -201,28 +172,6 @@ def test_gradient_guard_catches_a_dead_gradient():
     vec.grad = torch.zeros(1, 4)
     with pytest.raises(RuntimeError, match="use_ipex"):
         ti.check_gradient_reaches(vec)
-
-
-# --- precision --------------------------------------------------------------------------------
-
-
-def test_precision_follows_the_cpu():
-    amx = frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"})
-    avx2 = frozenset({"avx2", "fma"})
-    assert cpu.choose_precision("auto", amx).mixed_precision == "bf16"
-    auto = cpu.choose_precision("auto", avx2)
-    assert auto.mixed_precision == "no" and "no native bf16" in auto.reason and auto.warning is None
-    forced = cpu.choose_precision("bf16", avx2)
-    assert forced.mixed_precision == "bf16" and "100-150x slower" in forced.warning
-    assert cpu.choose_precision("bf16", frozenset({"avx512_bf16"})).warning is None
-    assert cpu.choose_precision("no", amx).mixed_precision == "no"
-
-
-def test_cpu_report_describes_this_machine():
-    rep = cpu.report()
-    assert rep.physical_cores >= 1 and set(rep.isa_flags) == set(cpu.ISA_FLAGS)
-    assert rep.native_bf16 == cpu.has_native_bf16()
-    assert rep.precision == ("bf16" if rep.native_bf16 else "no")
 
 
 # --- whole runs -------------------------------------------------------------------------------
@@ -522,17 +471,6 @@ def test_cli_command_from_the_issue(tmp_path):
     )
     assert bad.returncode == 2 and re.search(r"resolution='?63'?", bad.stderr)
     assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1  # one line
-
-
-def test_threads_default_shares_the_cores_of_a_node(monkeypatch):
-    with cpu.torch_threads(torch.get_num_threads()):  # the process's thread count restored after
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        assert cpu.set_threads() == 1 == torch.get_num_threads()
-        monkeypatch.delenv("OMP_NUM_THREADS")
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpu.physical_cores() * 4))
-        assert cpu.set_threads() == 1  # never below one thread
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-        assert cpu.set_threads() == cpu.physical_cores()
 
 
 def test_keyed_draws_accept_every_seed_the_settings_allow():
