@@ -20,30 +20,14 @@ from typing import ClassVar
 
 from helpers.core.errors import InputError
 from helpers.training import schema
-from helpers.training.config import (
-    LOGGING_DIR_HELP,
-    LR_SCHEDULERS,
-    MIXED_PRECISION,
-    PREPACK_CONVS_HELP,
-    REPORT_TO,
-    REPORT_TO_HELP,
-    REPORT_TO_HINT,
-    ConfigError,
-)
-from helpers.training.schema import Settings, setting
+from helpers.training.config import LAUNCHER_FLAGS, UNSUPPORTED_IN_BOTH, ConfigError, TrainConfig
+from helpers.training.schema import Settings, same_as, setting
 
-DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 PRIOR_GENERATION_PRECISION = ("no", "fp32", "bf16")
 
 UNSUPPORTED_DIFFUSERS_FLAGS = {
-    "push_to_hub": "this workshop runs offline; upload output_dir with `huggingface-cli upload` afterwards",
-    "hub_token": "this workshop runs offline; log in with `huggingface-cli login` to upload afterwards",
-    "hub_model_id": "this workshop runs offline; upload output_dir with `huggingface-cli upload` afterwards",
-    "enable_xformers_memory_efficient_attention": "xformers is GPU-only; PyTorch's SDPA attention is used on CPU",
-    "allow_tf32": "TF32 exists only on NVIDIA GPUs",
+    **UNSUPPORTED_IN_BOTH,  # the Hub's, xformers, TF32, tokenizer_name, variant: as Textual Inversion
     "use_8bit_adam": "bitsandbytes' 8-bit Adam is GPU-only; the LoRA optimizer state is small anyway (a few MB)",
-    "tokenizer_name": "the tokenizer is always the one in the model folder",
-    "variant": "CPU training loads the full-precision weights; drop the flag",
     "tokenizer_max_length": "Stable Diffusion v1's CLIP tokenizer always pads to its 77 tokens",
     "text_encoder_use_attention_mask": "Stable Diffusion v1's CLIP text encoder is trained without an attention mask",
     "validation_images": "only for image-conditioned pipelines (DeepFloyd IF upscalers), not Stable Diffusion",
@@ -52,7 +36,7 @@ UNSUPPORTED_DIFFUSERS_FLAGS = {
 """Flags of the diffusers script that this trainer does not support, and why: passing one is an error."""
 
 IGNORED_FLAGS = {
-    "local_rank": "the rank comes from the launcher's environment (LOCAL_RANK / PMI_RANK)",
+    **LAUNCHER_FLAGS,
     "pre_compute_text_embeddings": "with a frozen text encoder the two prompts are always encoded once, before training",
     "center_crop": "pictures are always centre-cropped, so each one is encoded by the VAE once "
     "(for square pictures a random crop is the whole picture)",
@@ -69,19 +53,20 @@ class DreamBoothConfig(Settings):
     """Every setting of a DreamBooth-LoRA run (names as in diffusers' ``train_dreambooth_lora.py``).
 
     Checked and coerced on creation by the shared schema (:mod:`helpers.training.schema`), then the
-    rules between settings (:meth:`more_problems`); every problem is reported at once.
+    rules between settings (:meth:`more_problems`); every problem is reported at once. A setting
+    Textual Inversion has too is its :class:`~helpers.training.config.TrainConfig` field
+    (:func:`~helpers.training.schema.same_as`): same default, help and rules.
     """
 
     error: ClassVar[type[InputError]] = DreamBoothConfigError
     what: ClassVar[str] = "DreamBooth setting"
 
-    pretrained_model_name_or_path: str = setting(
-        DEFAULT_MODEL,
-        "Hub id, local diffusers folder, 'toyworld' or 'tiny' (offline)",
-        not_blank=True,
-        hint="a Hub id, a diffusers folder, 'toyworld' or 'tiny'",
+    pretrained_model_name_or_path: str = same_as(
+        TrainConfig,
+        "pretrained_model_name_or_path",
+        help="Hub id, local diffusers folder, 'toyworld' or 'tiny' (offline)",
     )
-    revision: str | None = setting(None, "Hub revision of the model")
+    revision: str | None = same_as(TrainConfig, "revision")
     instance_data_dir: str | None = setting(None, "folder with 3-5 pictures of the subject")
     instance_prompt: str = setting(
         "", "prompt naming the subject with a rare word, e.g. 'a photo of sks toy'"
@@ -104,66 +89,48 @@ class DreamBoothConfig(Settings):
     class_guidance_scale: float = setting(7.5, "classifier-free guidance of class-image generation", ge=0)
     rank: int = setting(4, "rank of the LoRA update matrices", ge=1, hint="4 to 16 is usual")
     train_text_encoder: bool = setting(False, "also put LoRA layers on the text encoder's attention")
-    resolution: int = setting(
-        512, "training image size (multiple of 8)", gt=0, multiple_of=8, hint="e.g. 512, or 64 for 'toyworld'"
-    )
+    resolution: int = same_as(TrainConfig, "resolution", hint="e.g. 512, or 64 for 'toyworld'")
     train_batch_size: int = setting(
         1, "subject pictures per process per step (as many class pictures are added)", ge=1
     )
-    gradient_accumulation_steps: int = setting(1, "micro-batches accumulated per optimizer step", ge=1)
-    max_train_steps: int | None = setting(
-        None,
-        "optimizer steps in total (overrides num_train_epochs)",
-        ge=1,
-        hint="or null to train num_train_epochs epochs",
-    )
-    num_train_epochs: int = setting(1, "epochs, used when max_train_steps is not set", ge=1)
-    learning_rate: float = setting(
-        5e-4, "initial learning rate (before scale_lr)", gt=0, hint="e.g. 1e-4", usual=(1e-5, 1e-3)
-    )
-    scale_lr: bool = setting(False, "multiply the learning rate by batch x accumulation x processes")
-    lr_scheduler: str = setting("constant", "learning-rate schedule", choices=LR_SCHEDULERS)
-    lr_warmup_steps: int = setting(0, "warm-up steps of the schedule", ge=0)
-    lr_num_cycles: int = setting(1, "restarts of cosine_with_restarts", ge=1)
+    gradient_accumulation_steps: int = same_as(TrainConfig, "gradient_accumulation_steps")
+    max_train_steps: int | None = same_as(TrainConfig, "max_train_steps", default=None)
+    num_train_epochs: int = same_as(TrainConfig, "num_train_epochs", default=1)
+    learning_rate: float = same_as(TrainConfig, "learning_rate", hint="e.g. 1e-4", usual=(1e-5, 1e-3))
+    scale_lr: bool = same_as(TrainConfig, "scale_lr")
+    lr_scheduler: str = same_as(TrainConfig, "lr_scheduler")
+    lr_warmup_steps: int = same_as(TrainConfig, "lr_warmup_steps")
+    lr_num_cycles: int = same_as(TrainConfig, "lr_num_cycles")
     lr_power: float = setting(1.0, "power of the polynomial schedule", gt=0)
-    adam_beta1: float = setting(0.9, "AdamW beta1", ge=0, lt=1, hint="e.g. 0.9")
-    adam_beta2: float = setting(0.999, "AdamW beta2", ge=0, lt=1, hint="e.g. 0.999")
+    adam_beta1: float = same_as(TrainConfig, "adam_beta1")
+    adam_beta2: float = same_as(TrainConfig, "adam_beta2")
     adam_weight_decay: float = setting(1e-2, "AdamW weight decay (of the LoRA matrices)", ge=0)
-    adam_epsilon: float = setting(1e-8, "AdamW epsilon", gt=0, hint="e.g. 1e-8")
+    adam_epsilon: float = same_as(TrainConfig, "adam_epsilon")
     max_grad_norm: float = setting(1.0, "clip the LoRA gradient to this norm (0: no clipping)", ge=0)
-    seed: int = setting(
-        0,
-        "seed of everything random (LoRA init, data order, noise, timesteps, class images)",
-        ge=0,
-        le=2**32 - 1,
-        hint="numpy's seed range",
+    seed: int = same_as(
+        TrainConfig,
+        "seed",
+        help="seed of everything random (LoRA init, data order, noise, timesteps, class images)",
     )
-    mixed_precision: str = setting(
-        "auto",
-        "auto: bf16 only where the CPU has native bf16",
-        choices=MIXED_PRECISION,
-        hint=schema.FP16_HINT,
-    )
+    mixed_precision: str = same_as(TrainConfig, "mixed_precision")
     output_dir: str = setting(
         "lora-dreambooth-model", "where LoRA weights, checkpoints and samples go", not_blank=True
     )
-    report_to: str = setting("tensorboard", REPORT_TO_HELP, choices=REPORT_TO, hint=REPORT_TO_HINT)
-    logging_dir: str = setting("logs", LOGGING_DIR_HELP, not_blank=True)
-    overwrite_output_dir: bool = setting(False, "allow replacing a finished run in output_dir")
-    checkpointing_steps: int = setting(500, "save a resumable checkpoint every N steps", ge=1)
-    checkpoints_total_limit: int | None = setting(
-        None, "keep at most this many checkpoints", ge=1, hint="or null for no limit"
-    )
-    resume_from_checkpoint: str | None = setting(None, "a checkpoint folder or 'latest'")
+    report_to: str = same_as(TrainConfig, "report_to")
+    logging_dir: str = same_as(TrainConfig, "logging_dir")
+    overwrite_output_dir: bool = same_as(TrainConfig, "overwrite_output_dir")
+    checkpointing_steps: int = same_as(TrainConfig, "checkpointing_steps")
+    checkpoints_total_limit: int | None = same_as(TrainConfig, "checkpoints_total_limit")
+    resume_from_checkpoint: str | None = same_as(TrainConfig, "resume_from_checkpoint")
     save_as_full_pipeline: bool = setting(
         False, "also save the full pipeline with the LoRA fused in (output_dir/pipeline)"
     )
     validation_prompt: str | None = setting(None, "prompt for sample images during and after training")
-    num_validation_images: int = setting(4, "sample images per validation", ge=0)
+    num_validation_images: int = same_as(TrainConfig, "num_validation_images")
     validation_epochs: int = setting(50, "validate after every N-th epoch (and at the end)", ge=1)
     gradient_checkpointing: bool = setting(False, "trade compute for memory in the UNet (and text encoder)")
-    prepack_convs: bool = setting(True, PREPACK_CONVS_HELP)
-    dataloader_num_workers: int = setting(0, "data-loading worker processes", ge=0)
+    prepack_convs: bool = same_as(TrainConfig, "prepack_convs")
+    dataloader_num_workers: int = same_as(TrainConfig, "dataloader_num_workers")
 
     def more_problems(self) -> list[str]:
         """The rules between settings: the subject's folder and prompt, and prior preservation's class."""

@@ -18,23 +18,10 @@ from helpers.training.schema import Settings, setting
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 MIXED_PRECISION = ("auto", "no", "bf16")
-# Also DreamBooth-LoRA's flag (helpers.dreambooth.config): both trainers freeze the convolutions.
-PREPACK_CONVS_HELP = (
-    "lay out the frozen UNet's convolution weights for oneDNN once instead of in every step: faster "
-    "steps for two more copies of those weights, skipped if memory is short (--no-prepack_convs: off)"
-)
 LEARNABLE_PROPERTIES = ("object", "style")
-# --report_to and --logging_dir, as diffusers' scripts have them (also DreamBooth-LoRA's flags).
 REPORT_TO = ("tensorboard", "none")
-REPORT_TO_HELP = (
-    "tensorboard: loss, learning rate and validation images as TensorBoard event files; none: off"
-)
-REPORT_TO_HINT = "wandb and comet_ml need their online services, and this workshop runs offline"
-LOGGING_DIR_HELP = "TensorBoard's folder, relative to output_dir (`tensorboard --logdir OUTPUT_DIR/logs`)"
 
-# Flags of the diffusers script that this engine does not support, and why. Passing one is an
-# error rather than being silently ignored.
-UNSUPPORTED_DIFFUSERS_FLAGS = {
+UNSUPPORTED_IN_BOTH = {
     "push_to_hub": "this workshop runs offline; upload output_dir with `huggingface-cli upload` afterwards",
     "hub_token": "this workshop runs offline; log in with `huggingface-cli login` to upload afterwards",
     "hub_model_id": "this workshop runs offline; upload output_dir with `huggingface-cli upload` afterwards",
@@ -42,11 +29,21 @@ UNSUPPORTED_DIFFUSERS_FLAGS = {
     "allow_tf32": "TF32 exists only on NVIDIA GPUs",
     "tokenizer_name": "the tokenizer is always the one in the model folder",
     "variant": "CPU training loads the full-precision weights; drop the flag",
+}
+"""Flags of both diffusers scripts (textual_inversion.py's and train_dreambooth_lora.py's) that
+neither trainer supports, and why (DreamBooth-LoRA's :mod:`helpers.dreambooth.config` adds its own)."""
+
+# Flags of the diffusers script that this engine does not support, and why. Passing one is an
+# error rather than being silently ignored.
+UNSUPPORTED_DIFFUSERS_FLAGS = {
+    **UNSUPPORTED_IN_BOTH,
     "validation_epochs": "deprecated in diffusers too; use --validation_steps",
     "no_safe_serialization": "outputs are always safetensors, the format load_textual_inversion prefers",
 }
-# Flags accepted for compatibility and ignored, with the reason (launchers add them).
-IGNORED_FLAGS = {"local_rank": "the rank comes from the launcher's environment (LOCAL_RANK / PMI_RANK)"}
+# Flags launchers add, which both trainers accept and ignore, with the reason.
+LAUNCHER_FLAGS = {"local_rank": "the rank comes from the launcher's environment (LOCAL_RANK / PMI_RANK)"}
+# Flags accepted for compatibility and ignored, with the reason.
+IGNORED_FLAGS = {**LAUNCHER_FLAGS}
 
 
 class ConfigError(InputError):
@@ -58,7 +55,8 @@ class TrainConfig(Settings):
     """Every setting of a textual-inversion run (names as in diffusers' example script).
 
     Checked and coerced on creation by the shared schema (:mod:`helpers.training.schema`); every
-    problem is reported at once in one :class:`ConfigError`.
+    problem is reported at once in one :class:`ConfigError`. DreamBooth-LoRA's settings take those
+    it has too from here (:func:`helpers.training.schema.same_as`), so they are defined once.
     """
 
     pretrained_model_name_or_path: str = setting(
@@ -122,8 +120,17 @@ class TrainConfig(Settings):
         "textual_inversion_output", "where embeddings, checkpoints and samples go", not_blank=True
     )
     overwrite_output_dir: bool = setting(False, "allow replacing a finished run in output_dir")
-    report_to: str = setting("tensorboard", REPORT_TO_HELP, choices=REPORT_TO, hint=REPORT_TO_HINT)
-    logging_dir: str = setting("logs", LOGGING_DIR_HELP, not_blank=True)
+    report_to: str = setting(
+        "tensorboard",
+        "tensorboard: loss, learning rate and validation images as TensorBoard event files; none: off",
+        choices=REPORT_TO,
+        hint="wandb and comet_ml need their online services, and this workshop runs offline",
+    )
+    logging_dir: str = setting(
+        "logs",
+        "TensorBoard's folder, relative to output_dir (`tensorboard --logdir OUTPUT_DIR/logs`)",
+        not_blank=True,
+    )
     save_steps: int = setting(500, "save learned_embeds-steps-N.safetensors every N steps", ge=1)
     checkpointing_steps: int = setting(500, "save a resumable checkpoint every N steps", ge=1)
     checkpoints_total_limit: int | None = setting(
@@ -146,7 +153,11 @@ class TrainConfig(Settings):
         "folder of the latent cache (default: $WORKSHOP_LATENT_CACHE, else latents/ in "
         "$WORKSHOP_CACHE or ~/.cache/sd-cpu-workshop)",
     )
-    prepack_convs: bool = setting(True, PREPACK_CONVS_HELP)
+    prepack_convs: bool = setting(
+        True,
+        "lay out the frozen UNet's convolution weights for oneDNN once instead of in every step: faster "
+        "steps for two more copies of those weights, skipped if memory is short (--no-prepack_convs: off)",
+    )
     prepack_linears: bool = setting(
         True,
         "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of "

@@ -1,7 +1,8 @@
 """The settings schema both trainers use: types, coercion, ranges, YAML and the command line.
 
 A trainer's settings are a dataclass deriving from :class:`Settings` whose fields are made by
-:func:`setting`, which keeps each field's rules in its metadata. One table-driven check
+:func:`setting`, which keeps each field's rules in its metadata (or by :func:`same_as`, for a
+setting the other trainer defines). One table-driven check
 (:func:`check_field`) applies them: the type (from the annotation; values from YAML, the command
 line or Python are coerced the same way, as YAML reads ``5e-4`` as text), then the rules:
 
@@ -53,6 +54,18 @@ class SettingWarning(UserWarning):
 def setting(default: Any, help: str, **rules: Any) -> Any:
     """A settings field: its default, its ``--help`` text and its rules (see the module docstring)."""
     return field(default=default, metadata={"help": help, **rules})
+
+
+def same_as(cls: type[Settings], name: str, **changes: Any) -> Any:
+    """A settings field made like the setting ``name`` of ``cls`` (its default, ``--help`` text and
+    rules), for another trainer that has the same setting: defined once, and both say the same.
+
+    ``changes`` gives what differs, if anything: ``default=...``, ``help=...`` or rules (e.g. ``hint=...``).
+    The field's annotation is the new class's own and must match.
+    """
+    known = cls.__dataclass_fields__[name]
+    default = changes.pop("default", known.default)
+    return field(default=default, metadata={**known.metadata, **changes})
 
 
 _TRUE = {"true", "yes", "on", "1"}
