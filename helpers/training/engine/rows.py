@@ -53,9 +53,8 @@ def check_tokens(
                 f"{taken} of them), so vectors past that would never train. Fix: pass --num_vectors {limit} "
                 f"or fewer."
             )
-    existing = [
-        t for t in placeholder_tokens_for(placeholder_token, num_vectors) if t in tokenizer.get_vocab()
-    ]
+    vocab = tokenizer.get_vocab()  # a fresh dict of every token (49,408 for CLIP) on each call: once
+    existing = [t for t in placeholder_tokens_for(placeholder_token, num_vectors) if t in vocab]
     if existing:
         raise TrainingInputError(
             f"placeholder_token {placeholder_token!r}: {', '.join(existing)} already in the tokenizer's "
@@ -84,7 +83,7 @@ def add_placeholder_tokens(
     tokenizer.add_tokens(tokens)
     token_ids = tokenizer.convert_tokens_to_ids(tokens)
     # The new rows are set just below, so transformers' default initialisation of them from the
-    # mean and covariance of the 49,408 rows (1.3 s of a start with SD v1.5) would be thrown away.
+    # mean and covariance of the 49,408 rows (a noticeable part of a start with SD v1.5) would be thrown away.
     text_encoder.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     weight = text_encoder.get_input_embeddings().weight
     with torch.no_grad():
