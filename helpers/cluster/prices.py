@@ -3,7 +3,7 @@
 Both tables are dated and name their sources. They are facts about a moving target: re-check
 them before a workshop (``az vm list-skus``, the Azure size pages, the Retail Prices API).
 
-Why the CPU matters: bf16 on a CPU without native bf16 is 100-150x *slower* than fp32 (see
+Why the CPU matters: bf16 on a CPU without native bf16 is many times *slower* than fp32 (see
 docs/architecture.md), so the workshop only picks bf16 where the CPU has AVX512-BF16 or AMX.
 """
 
@@ -107,7 +107,7 @@ def bf16_advice(vm_size: str) -> str:
         return (
             f"{vm_size} is not in helpers.cluster.prices.SIZE_SERIES, so whether its CPU has native bf16 "
             "(AVX512-BF16/AMX) is unknown: check on a node with helpers.core.cpu before choosing bf16, "
-            "because bf16 without hardware support is 100-150x slower than fp32."
+            "because bf16 without hardware support is many times slower than fp32."
         )
     if row.native_bf16 is None:
         return (

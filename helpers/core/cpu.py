@@ -1,7 +1,8 @@
 """What this CPU can do, and the precision and thread settings that follow from it.
 
 bf16 is only fast where the CPU has it natively (AVX512-BF16 or AMX). Elsewhere PyTorch emulates
-it and a Stable Diffusion training step becomes 100-150x slower (docs/architecture.md), so
+it and a Stable Diffusion training step becomes many times slower than in fp32 (docs/architecture.md;
+no result file in bench/results measures it: they were all taken on CPUs with native bf16), so
 ``auto`` picks bf16 only where it is native.
 """
 
@@ -131,8 +132,8 @@ def choose_precision(requested: str = "auto", flags: frozenset[str] | None = Non
             "bf16",
             "bf16 requested although the CPU has no native bf16",
             warning=(
-                "mixed_precision='bf16' on a CPU without AVX512-BF16 or AMX is emulated and about "
-                "100-150x slower than fp32 here; use mixed_precision='auto' (fp32 on this CPU)"
+                "mixed_precision='bf16' on a CPU without AVX512-BF16 or AMX is emulated and many "
+                "times slower than fp32 here; use mixed_precision='auto' (fp32 on this CPU)"
             ),
         )
     if requested == "no":

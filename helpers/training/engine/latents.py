@@ -1,11 +1,11 @@
 """The persistent latent cache: what the VAE encoder computed, kept on disk so a re-run skips the VAE.
 
 Before its first step a run encodes every view of its images (each image, flipped or not) with the
-VAE. With Stable Diffusion v1.5 at 256 px that is about 3 s per view on 2 cores, and the VAE must be
-loaded first. The latents are a pure function of the encoder's weights, the pixels it is given and
-how it computes, so this module keeps them in one folder for every run and process of the machine,
-keyed by all of that: a re-run, a resumed run, or another rank with the same images does not load
-the VAE at all.
+VAE, which must be loaded first; with Stable Diffusion that is most of a start (the start-up table of
+docs/performance.md, ``bench/results/startup-sd15-shape-256px.json``). The latents are a pure
+function of the encoder's weights, the pixels it is given and how it computes, so this module keeps
+them in one folder for every run and process of the machine, keyed by all of that: a re-run, a
+resumed run, or another rank with the same images does not load the VAE at all.
 
 The unit of the cache is one VAE call (:data:`~helpers.training.engine.step.LATENT_BATCH` views, grouped as
 :func:`~helpers.training.engine.step.cache_latents` groups them), because the encoder's rounding depends on
