@@ -24,6 +24,9 @@ def test_committed_notebook_is_clean(path: Path):
     assert nb["metadata"]["kernelspec"]["name"] == "python3"
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), "outputs committed"
+    # JupyterLab saves the ipywidgets' state into a notebook it saves (metadata "widgets"): a
+    # notebook opened from notebooks/ and saved would carry the upload form's state along
+    assert "widgets" not in nb["metadata"], "saved widget state committed (metadata 'widgets')"
     tagged = [i for i, c in enumerate(nb["cells"]) if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
     params = nb["cells"][tagged[0]]
