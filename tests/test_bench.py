@@ -234,7 +234,7 @@ def test_process_age_counts_from_the_process_start_within_what_its_parent_saw():
     starting it to just after it ended; psutil's create_time() can put it up to a second earlier
     (seen in CI: 6.9 s to a first step in a command that took 6.4 s in all). A second reading after
     a 0.3 s sleep is at least that much later."""
-    code = "import time; from helpers import cpu; a = cpu.process_age(); time.sleep(0.3); print(a, cpu.process_age())"
+    code = "import time; from helpers.core import cpu; a = cpu.process_age(); time.sleep(0.3); print(a, cpu.process_age())"
     before = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
