@@ -137,76 +137,120 @@ def run_job(
     """
     check_seconds(exit_grace_seconds=exit_grace_seconds, stall_seconds=stall_seconds)
     cwd = os.path.abspath(cwd or os.getcwd())
-    status_dir, output_dir = commands[0].status_dir, commands[0].output_dir
+    status_dir = commands[0].status_dir
     watcher = supervise.Watcher(supervise.prepare(status_dir)) if status_dir else None
     # Held until this function returns or this process dies: the ranks end themselves once it is free.
     held = supervise.hold_launcher_lock(status_dir) if status_dir else None
     log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed below
-    out = Output(stream or sys.stdout, log)
-    lines: queue.Queue = queue.Queue()
-    start, started_wall, procs = time.monotonic(), time.time(), []
-    verdict: tuple[list[int], str] | None = None
+    job = _Job(commands, Output(stream or sys.stdout, log), watcher, ssh)
     with supervise.signals_interrupt():  # TERM (a scheduler, kill) and HUP stop the job as Ctrl-C does
         try:
-            for i, cmd in enumerate(commands):
-                argv, env = _process(cmd, ssh, cwd)
-                logger.info("starting %s", shlex.join(argv))
-                p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=cwd, start_new_session=True)  # fmt: skip
-                procs.append(p)
-                threading.Thread(target=_pump, args=(i, p.stdout, lines), daemon=True).start()
-            open_pipes, killed, ended_at, stopped_at = len(procs), False, None, math.inf
-            while open_pipes:
-                try:
-                    i, text, end = lines.get(timeout=0.2)
-                    if text is None:
-                        open_pipes -= 1
-                    else:
-                        out.feed(i, commands[i], text, end)
-                except queue.Empty:
-                    pass
-                now = time.monotonic()
-                if watcher is not None and not killed:
-                    watcher.poll(now)
-                    verdict = watcher.verdict(
-                        now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in procs)
-                    )
-                if out.failure_seen_at is None and any(p.poll() for p in procs):
-                    out.failure_seen_at = now  # a command exited non-zero
-                overdue = out.failure_seen_at is not None and now - out.failure_seen_at > exit_grace_seconds
-                if not killed and (verdict or overdue or (timeout and now - start > timeout)):
-                    why = verdict[1] if verdict else "a rank failed" if overdue else f"timeout of {timeout} s"
-                    logger.warning("stopping the job: %s", why)
-                    supervise.stop(procs, ranks=_alive_ranks(watcher), ssh=ssh)
-                    killed, stopped_at = True, now
-                if all(p.poll() is not None for p in procs):
-                    ended_at = ended_at or now
-                    if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
-                        break
+            _start_processes(job, cwd)
+            _supervise(job, exit_grace_seconds, stall_seconds, timeout)
         except BaseException:  # Ctrl-C, TERM, HUP, an error here: the ranks must not run on
-            supervise.stop(procs, ranks=_alive_ranks(watcher), ssh=ssh)
+            job.stop()
             raise
         finally:
             if held is not None:
                 os.close(held)  # after stop(): a rank that sees it free now has been told already
             if log:
                 log.close()
-    for p in procs:
+    return _job_result(job)
+
+
+@dataclass
+class _Job:
+    """A job as :func:`run_job` supervises it: its processes, their lines, and what was decided."""
+
+    commands: Sequence[LaunchCommand]
+    out: Output
+    watcher: supervise.Watcher | None
+    ssh: Sequence[str]
+    start: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    lines: queue.Queue = field(default_factory=queue.Queue)  # (command index, text or None at EOF, end)
+    verdict: tuple[list[int], str] | None = None  # the watcher's: ranks that did not end, and why
+    killed: bool = False
+    stopped_at: float = math.inf
+
+    def stop(self) -> None:
+        """Stop every process here and every rank still alive (on other hosts over ssh)."""
+        supervise.stop(self.procs, ranks=_alive_ranks(self.watcher), ssh=self.ssh)
+
+
+def _start_processes(job: _Job, cwd: str) -> None:
+    """Start every command, each in its own session, with a thread queueing its output lines."""
+    for i, cmd in enumerate(job.commands):
+        argv, env = _process(cmd, job.ssh, cwd)
+        logger.info("starting %s", shlex.join(argv))
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+        job.procs.append(p)  # at once: stopping the job stops those already started
+        threading.Thread(target=_pump, args=(i, p.stdout, job.lines), daemon=True).start()
+
+
+def _supervise(job: _Job, exit_grace_seconds: float, stall_seconds: float, timeout: float | None) -> None:
+    """Stream the lines until every output pipe is closed, stopping the job once when it must end."""
+    open_pipes, ended_at = len(job.procs), None
+    while open_pipes:
+        try:
+            i, text, end = job.lines.get(timeout=0.2)
+            if text is None:
+                open_pipes -= 1
+            else:
+                job.out.feed(i, job.commands[i], text, end)
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        why = _reason_to_stop(job, now, exit_grace_seconds, stall_seconds, timeout)
+        if why:
+            logger.warning("stopping the job: %s", why)
+            job.stop()
+            job.killed, job.stopped_at = True, now
+        if all(p.poll() is not None for p in job.procs):
+            ended_at = ended_at or now
+            if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
+                break
+
+
+def _reason_to_stop(
+    job: _Job, now: float, exit_grace_seconds: float, stall_seconds: float, timeout: float | None
+) -> str | None:
+    """Poll the ranks' status and the processes; say why the job must be stopped now (None: it need not)."""
+    if job.watcher is not None and not job.killed:
+        job.watcher.poll(now)
+        job.verdict = job.watcher.verdict(
+            now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in job.procs)
+        )
+    out = job.out
+    if out.failure_seen_at is None and any(p.poll() for p in job.procs):
+        out.failure_seen_at = now  # a command exited non-zero
+    overdue = out.failure_seen_at is not None and now - out.failure_seen_at > exit_grace_seconds
+    if job.killed or not (job.verdict or overdue or (timeout and now - job.start > timeout)):
+        return None
+    return job.verdict[1] if job.verdict else "a rank failed" if overdue else f"timeout of {timeout} s"
+
+
+def _job_result(job: _Job) -> JobResult:
+    """Wait for every process; the exit code, the supervision's verdict and the first failure."""
+    for p in job.procs:
         p.wait()
-    code = next((p.returncode for p in procs if p.returncode), 0)
-    if killed and code == 0:
+    code = next((p.returncode for p in job.procs if p.returncode), 0)
+    if job.killed and code == 0:
         code = 1
-    result = JobResult(code, time.monotonic() - start, killed=killed, input_error=out.input_error,
+    out, verdict = job.out, job.verdict
+    result = JobResult(code, time.monotonic() - job.start, killed=job.killed, input_error=out.input_error,
                        tails={r: list(t) for r, t in out.tails.items()})  # fmt: skip
     if verdict:
         result.not_ended = verdict[0]
-        result.outputs_complete, outputs = supervise.outputs(output_dir, started_wall)
+        result.outputs_complete, outputs = supervise.outputs(job.commands[0].output_dir, job.started_wall)
         tails = [
             f"last lines of rank {r}:\n  " + "\n  ".join(result.tails.get(r, [])[-12:]) for r in verdict[0]
         ]
         result.supervision = "\n".join([f"{verdict[1]} {outputs}", *tails])
         result.returncode = 0 if result.outputs_complete else 1
-    failed_before_stop = out.failure_seen_at is not None and out.failure_seen_at < stopped_at
+    failed_before_stop = out.failure_seen_at is not None and out.failure_seen_at < job.stopped_at
     if result.returncode and (not verdict or failed_before_stop):  # not the errors of ranks it stopped
         result.failed_rank, result.error = diagnose(
             out.errors, out.first_traceback, "\n".join(out.launcher_lines)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -113,6 +113,43 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
         model_dir: the base model's local folder.
         tokenizer: its tokenizer (the placeholder tokens are added to it).
     """
+    precision, accelerator = _start_accelerator(config)
+    text_encoder, unet, noise_scheduler, token_ids = _load_modules(config, model_dir, tokenizer, precision)
+    startup = _prepack(config, unet, text_encoder)
+    tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
+    dataset, cached, startup["latent_cache"] = _cached_dataset(
+        config, model_dir, tokenizer, tokens, precision
+    )
+    learned = LearnedEmbeddings(text_encoder.get_input_embeddings().weight[token_ids], token_ids)
+    opt = _optimization(config, accelerator, learned, dataset)
+    counter = AllreduceCounter()
+    parts = StepParts(
+        unet=unet,
+        text_encoder=text_encoder,
+        noise_scheduler=noise_scheduler,
+        learned=opt.learned,
+        optimizer=opt.optimizer,
+        latent_mean=cached.mean,
+        latent_std=cached.std,
+        scaling_factor=cached.scaling_factor,
+        seed=config.seed,
+        lr_scheduler=opt.lr_scheduler,
+        autocast=accelerator.autocast,
+        backward=accelerator.backward,
+        allreduce=counter if accelerator.num_processes > 1 else None,
+        mixed_precision=precision.mixed_precision,
+    )
+    return Run(
+        config=config, accelerator=accelerator, precision=precision, model_dir=model_dir,
+        output_dir=Path(config.output_dir), tokenizer=tokenizer, text_encoder=text_encoder, unet=unet,
+        token_ids=token_ids, tokens=tokens, hook=EmbeddingHook(text_encoder, opt.learned), parts=parts,
+        counter=counter, sampler=opt.sampler, loader=opt.loader, steps_per_epoch=opt.steps_per_epoch,
+        max_steps=opt.max_steps, num_epochs=math.ceil(opt.max_steps / opt.steps_per_epoch), startup=startup,
+    )  # fmt: skip
+
+
+def _start_accelerator(config: TrainConfig) -> tuple[cpu.PrecisionChoice, Accelerator]:
+    """The precision for this CPU, the accelerator (every rank waiting for the others), the threads."""
     precision = cpu.choose_precision(config.mixed_precision)
     accelerator = make_accelerator(
         precision,
@@ -128,18 +165,24 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     logger.info(f"precision: {precision.reason}", main_process_only=True)
     if precision.warning:
         logger.warning(precision.warning, main_process_only=True)
-    text_encoder, unet, noise_scheduler, token_ids = _load_modules(config, model_dir, tokenizer, precision)
-    startup: dict = {}
-    if (
-        config.prepack_convs or config.prepack_linears
-    ) and not config.use_ipex:  # IPEX lays weights out its own way
-        packed = prepack.pack_unet(
-            unet, convs=config.prepack_convs, linears=config.prepack_linears, text_encoder=text_encoder
-        )
-        packed.log(logger, main_process_only=True)
-        startup["prepacked_convs"] = dataclasses.asdict(packed)
-    tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
+    return precision, accelerator
 
+
+def _prepack(config: TrainConfig, unet, text_encoder) -> dict:
+    """Lay the frozen weights out for oneDNN once, as asked; return the start-up record (``prepacked_convs``)."""
+    if not (config.prepack_convs or config.prepack_linears) or config.use_ipex:
+        return {}  # IPEX lays weights out its own way
+    packed = prepack.pack_unet(
+        unet, convs=config.prepack_convs, linears=config.prepack_linears, text_encoder=text_encoder
+    )
+    packed.log(logger, main_process_only=True)
+    return {"prepacked_convs": dataclasses.asdict(packed)}
+
+
+def _cached_dataset(
+    config: TrainConfig, model_dir: Path, tokenizer, tokens: list[str], precision: cpu.PrecisionChoice
+) -> tuple[data.ConceptDataset, latents.CachedLatents, dict | None]:
+    """The concept's pictures under the new tokens, their cached latents, and the cache's start-up record."""
     dataset = data.ConceptDataset(
         config.train_data_dir,
         tokenizer,
@@ -155,11 +198,25 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     cache_dir = latents.cache_root(config.latent_cache, config.latent_cache_dir)
     vae_dtype = cpu.compute_dtype(precision.mixed_precision)
     cached = latents.cached_latents(cache_dir, model_dir, dataset, dtype=vae_dtype)
-    latent_mean, latent_std, scaling = cached.mean, cached.std, cached.scaling_factor
-    startup["latent_cache"] = cached.report(cache_dir) if cache_dir else None
+    report = cached.report(cache_dir) if cache_dir else None
     status.beat("latents cached")
+    return dataset, cached, report
 
-    learned = LearnedEmbeddings(text_encoder.get_input_embeddings().weight[token_ids], token_ids)
+
+class _Optimization(NamedTuple):
+    """The prepared learned rows, optimizer, data order, loader and learning-rate schedule."""
+
+    learned: Any
+    optimizer: Any
+    lr_scheduler: Any
+    sampler: EpochSampler
+    loader: Any
+    steps_per_epoch: int
+    max_steps: int
+
+
+def _optimization(config: TrainConfig, accelerator: Accelerator, learned, dataset) -> _Optimization:
+    """AdamW over the learned rows, the loader, the schedule; all prepared by accelerate."""
     lr = config.learning_rate
     if config.scale_lr:
         lr *= config.gradient_accumulation_steps * config.train_batch_size * accelerator.num_processes
@@ -198,44 +255,7 @@ def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     # as a prepared model, no DDP.
     learned = accelerator.prepare_model(learned, evaluation_mode=True)
     optimizer, loader, lr_scheduler = accelerator.prepare(optimizer, loader, lr_scheduler)
-    counter = AllreduceCounter()
-    parts = StepParts(
-        unet=unet,
-        text_encoder=text_encoder,
-        noise_scheduler=noise_scheduler,
-        learned=learned,
-        optimizer=optimizer,
-        latent_mean=latent_mean,
-        latent_std=latent_std,
-        scaling_factor=scaling,
-        seed=config.seed,
-        lr_scheduler=lr_scheduler,
-        autocast=accelerator.autocast,
-        backward=accelerator.backward,
-        allreduce=counter if accelerator.num_processes > 1 else None,
-        mixed_precision=precision.mixed_precision,
-    )
-    return Run(
-        config=config,
-        accelerator=accelerator,
-        precision=precision,
-        model_dir=model_dir,
-        output_dir=Path(config.output_dir),
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        unet=unet,
-        token_ids=token_ids,
-        tokens=tokens,
-        hook=EmbeddingHook(text_encoder, learned),
-        parts=parts,
-        counter=counter,
-        sampler=sampler,
-        loader=loader,
-        steps_per_epoch=steps_per_epoch,
-        max_steps=max_steps,
-        num_epochs=math.ceil(max_steps / steps_per_epoch),
-        startup=startup,
-    )
+    return _Optimization(learned, optimizer, lr_scheduler, sampler, loader, steps_per_epoch, max_steps)
 
 
 def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cpu.PrecisionChoice):
