@@ -52,7 +52,7 @@ from helpers.training import data, models
 from helpers.training.engine import TrainingDivergedError, prepack, tracking
 from helpers.training.engine.checkpoints import check_not_past_the_end, resolve_checkpoint
 from helpers.training.engine.folder import check_checkpoint_matches, check_output_dir, hold_output_dir
-from helpers.training.engine.setup import make_accelerator
+from helpers.training.engine.setup import make_accelerator, make_lr_scheduler, training_steps
 from helpers.training.engine.step import EpochSampler, cache_latents, draw_batch
 
 logger = get_logger(__name__)
@@ -294,21 +294,8 @@ def setup_run(config: DreamBoothConfig) -> Run:
     loader = torch.utils.data.DataLoader(
         pairs, batch_size=config.train_batch_size, sampler=sampler, num_workers=config.dataloader_num_workers
     )
-    steps_per_epoch = math.ceil(
-        math.ceil(len(loader) / accelerator.num_processes) / config.gradient_accumulation_steps
-    )
-    max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
-
-    from diffusers.optimization import get_scheduler
-
-    lr_scheduler = get_scheduler(
-        config.lr_scheduler,
-        optimizer=optimizer,
-        num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
-        num_training_steps=max_steps * accelerator.num_processes,
-        num_cycles=config.lr_num_cycles,
-        power=config.lr_power,
-    )
+    steps_per_epoch, max_steps = training_steps(config, len(loader), accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(config, optimizer, max_steps, accelerator.num_processes, config.lr_power)
     optimizer, loader, lr_scheduler = accelerator.prepare(optimizer, loader, lr_scheduler)
     return Run(
         config, accelerator, precision, model_dir, Path(config.output_dir), unet, text_encoder, parts.tokenizer,

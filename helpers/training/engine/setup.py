@@ -105,6 +105,46 @@ def make_accelerator(
     )
 
 
+def training_steps(config: TrainConfig, num_batches: int, num_processes: int) -> tuple[int, int]:
+    """``(optimizer steps per epoch, optimizer steps in all)`` of a run.
+
+    Args:
+        config: its settings (a ``DreamBoothConfig`` has the same fields): ``gradient_accumulation_steps``,
+            ``max_train_steps`` and, when that is not set, ``num_train_epochs``.
+        num_batches: batches of one epoch over all processes (the loader's length before
+            accelerate splits it).
+        num_processes: processes of the job; each takes its share of the batches.
+    """
+    steps_per_epoch = math.ceil(math.ceil(num_batches / num_processes) / config.gradient_accumulation_steps)
+    return steps_per_epoch, config.max_train_steps or config.num_train_epochs * steps_per_epoch
+
+
+def make_lr_scheduler(config: TrainConfig, optimizer, max_steps: int, num_processes: int, power: float = 1.0):
+    """The learning-rate schedule of a run: diffusers' ``get_scheduler`` as its training scripts call it.
+
+    accelerate's prepared scheduler steps once per process at every optimizer step, so the warm-up
+    and the length are counted in steps of all processes (``x num_processes``), as diffusers does.
+
+    Args:
+        config: its settings (a ``DreamBoothConfig`` has the same fields): ``lr_scheduler``,
+            ``lr_warmup_steps``, ``lr_num_cycles``.
+        optimizer: the optimizer it schedules (not prepared yet).
+        max_steps: optimizer steps in all (:func:`training_steps`).
+        num_processes: processes of the job.
+        power: of the ``polynomial`` schedule (DreamBooth's ``lr_power``; 1.0 is diffusers' default).
+    """
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(
+        config.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=config.lr_warmup_steps * num_processes,
+        num_training_steps=max_steps * num_processes,
+        num_cycles=config.lr_num_cycles,
+        power=power,
+    )
+
+
 def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
     """Load the modules, add the tokens, cache the latents, build optimizer, loader and schedule.
 
@@ -234,20 +274,8 @@ def _optimization(config: TrainConfig, accelerator: Accelerator, learned, datase
         sampler=sampler,
         num_workers=config.dataloader_num_workers,
     )
-    steps_per_epoch = math.ceil(
-        math.ceil(len(loader) / accelerator.num_processes) / config.gradient_accumulation_steps
-    )
-    max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
-
-    from diffusers.optimization import get_scheduler
-
-    lr_scheduler = get_scheduler(
-        config.lr_scheduler,
-        optimizer=optimizer,
-        num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
-        num_training_steps=max_steps * accelerator.num_processes,
-        num_cycles=config.lr_num_cycles,
-    )
+    steps_per_epoch, max_steps = training_steps(config, len(loader), accelerator.num_processes)
+    lr_scheduler = make_lr_scheduler(config, optimizer, max_steps, accelerator.num_processes)
     # The 3 KB of learned rows are not wrapped in DDP: after each synchronising backward one
     # synchronous all-reduce averages their gradient (see AllreduceCounter). A DDP reducer holds the
     # process group and, freed with the GIL held, joined gloo's threads while one of them waited for

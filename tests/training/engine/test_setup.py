@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from tiny_parts import tiny_config
 from transformers import CLIPTokenizer
 
@@ -49,3 +50,32 @@ def test_setup_run_builds_modules_rows_latents_optimizer_and_schedule(tmp_path, 
         run.parts.lr_scheduler.step()
         lrs.append(run.parts.lr_scheduler.get_last_lr()[0])
     assert lrs[0] == pytest.approx(2e-3) and lrs[1] == pytest.approx(4e-3) and lrs[-1] == 0.0
+
+
+class _Settings:
+    lr_scheduler, lr_warmup_steps, lr_num_cycles = "cosine_with_restarts", 3, 2
+
+
+def test_lr_scheduler_is_diffusers_counting_the_steps_of_every_process(monkeypatch):
+    import diffusers.optimization
+
+    calls = []
+    real = diffusers.optimization.get_scheduler
+    monkeypatch.setattr(
+        diffusers.optimization, "get_scheduler", lambda *a, **k: calls.append((a, k)) or real(*a, **k)
+    )
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = setup.make_lr_scheduler(_Settings(), optimizer, max_steps=10, num_processes=2, power=2.0)
+    assert calls == [(("cosine_with_restarts",), dict(optimizer=optimizer, num_warmup_steps=6,
+                                                      num_training_steps=20, num_cycles=2, power=2.0))]  # fmt: skip
+    assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
+
+
+def test_training_steps_count_optimizer_steps_per_process():
+    config = type(
+        "Settings", (), {"gradient_accumulation_steps": 2, "max_train_steps": None, "num_train_epochs": 3}
+    )
+    # 9 batches over 2 processes: 5 each, 3 optimizer steps of 2 micro-batches
+    assert setup.training_steps(config(), num_batches=9, num_processes=2) == (3, 9)
+    config.max_train_steps = 4
+    assert setup.training_steps(config(), num_batches=9, num_processes=2) == (3, 4)
