@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import TextIO
 
 from helpers.core.errors import DistributedError
+from helpers.dreambooth.config import parse_args as parse_dreambooth_args
 from helpers.launching import accelerate_config, ray_train, supervise
 from helpers.launching.commands import LaunchCommand, detect_mpi_flavour, find_mpirun, launch_commands
 from helpers.launching.layout import ClusterLayout, is_local_host, write_hostfile
 from helpers.launching.rank_output import Output, diagnose
 from helpers.ranks.backend import resolve_backend
 from helpers.ranks.status import STATUS_DIR_ENV
+from helpers.training.config import parse_args as parse_train_args
 
 logger = logging.getLogger(__name__)
 
@@ -300,15 +302,10 @@ def prepare_job(
     Returns:
         The commands to pass to :func:`run_job`.
     """
-    if module == "helpers.dreambooth":  # its flag parser imports no torch, as helpers.training.config's
-        from helpers.dreambooth.config import parse_args as parse_train_args
-
-        data_flag = "instance_data_dir"
+    if module == "helpers.dreambooth":
+        config, data_flag = parse_dreambooth_args(list(train_args)), "instance_data_dir"
     else:
-        from helpers.training.config import parse_args as parse_train_args
-
-        data_flag = "train_data_dir"
-    config = parse_train_args(list(train_args))
+        config, data_flag = parse_train_args(list(train_args)), "train_data_dir"
     if getattr(config, data_flag) and not Path(getattr(config, data_flag)).is_dir():
         raise DistributedError(
             f"--{data_flag} {getattr(config, data_flag)} is not a folder here; give the concept images' folder "
