@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 import torch
 
 from helpers.training import data, models
@@ -51,3 +60,87 @@ def step_parts(lr: float = 1e-2, seed: int = 0) -> tuple[ti.StepParts, data.Conc
         seed=seed,
     )
     return parts, ds
+
+
+# --- crash safety: what both trainers' tests use (tests/training/ and tests/dreambooth/test_crash_safety.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Crash(RuntimeError):
+    """Stands for whatever stops a run at that point (an error, Ctrl-C, a full disk)."""
+
+
+def crash_when(monkeypatch, module, name: str, when=lambda *a, **k: True) -> None:
+    """Make ``module.name`` raise :class:`Crash` on the first call for which ``when(*args)`` holds."""
+    real = getattr(module, name)
+
+    def crashing(*args, **kwargs):
+        if when(*args, **kwargs):
+            raise Crash(f"simulated crash in {name}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, crashing)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Every run of the module that imports this fixture on one thread. Two runs of the same settings
+    on 2 threads are not bit-identical on this machine's kernels (seen 2026-11-27: losses equal to 1e-6
+    for two steps, then AdamW turns the difference into visibly other weights); on one thread they
+    are, so the comparisons can be exact."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # cpu.set_threads reads it at each run's start
+        yield
+
+
+# The subprocess of a kill case: python -m argv[1] (its cli) that kills itself (SIGKILL: no clean-up,
+# no finally) when files.move_dir_into_place is about to swap in a folder named argv[2].
+KILLER = """
+import importlib, os, signal, sys
+from pathlib import Path
+from helpers.core import files
+cli = importlib.import_module(sys.argv[1]).cli
+swap = files.move_dir_into_place
+def killing(src, path):
+    if Path(path).name == sys.argv[2]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return swap(src, path)
+files.move_dir_into_place = killing
+sys.exit(cli(sys.argv[3:]))
+"""
+
+
+def run_killed(module: str, name: str, flags: list[str]) -> None:
+    """Run ``module``'s cli with ``flags`` in a subprocess killed as it swaps in the folder ``name``."""
+    argv = [sys.executable, "-c", KILLER, module, name, *flags]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+
+
+LOCK_HOLDER = """
+import sys, time
+from helpers.training.engine.folder import FolderLock
+FolderLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def lock_holder(output_dir: Path) -> Iterator[subprocess.Popen]:
+    """A second real process holding ``output_dir``'s lock (killed with SIGKILL at the end)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(output_dir)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "locked\n"  # EOF (an empty line) if it failed
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)

@@ -15,10 +15,7 @@ import errno
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +23,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
+from tiny_parts import (
+    Crash,
+    crash_when,
+    lock_holder,
+    one_thread,  # noqa: F401 (autouse: every run of this module on one thread)
+    run_killed,
+)
 
 from helpers.core import files
 from helpers.core.outputs import HISTORY, HISTORY_PARTIAL, SUMMARY
@@ -36,11 +40,6 @@ from helpers.training.engine import TrainingInputError, checkpoints
 from helpers.training.engine.folder import LOCK_FILE, FolderLock, inspect_output_dir
 
 STEPS = 4
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class Crash(RuntimeError):
-    """Stands for whatever stops a run at that point (an error, Ctrl-C)."""
 
 
 def settings(output_dir: Path, **overrides) -> dict:
@@ -76,17 +75,6 @@ def inspect(out: Path):
     return inspect_output_dir(out, saving.DREAMBOOTH)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Every run of this module on one thread. Two runs of the same settings on 2 threads are not
-    bit-identical on this machine's kernels (seen 2026-11-27: losses equal to 1e-6 for two steps,
-    then AdamW turns the difference into visibly other weights); on one thread they are, so the
-    comparisons below can be exact."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")  # cpu.set_threads reads it at each run's start
-        yield
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run every case must end equal to."""
@@ -100,35 +88,6 @@ def counter(monkeypatch):
     real = training.training_step
     monkeypatch.setattr(training, "training_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
-
-
-def crash_when(mp, module, name: str, when) -> None:
-    """Make ``module.name`` raise :class:`Crash` on the first call for which ``when(*args)`` holds."""
-    real = getattr(module, name)
-
-    def crashing(*args, **kwargs):
-        if when(*args, **kwargs):
-            raise Crash(f"simulated crash in {name}")
-        return real(*args, **kwargs)
-
-    mp.setattr(module, name, crashing)
-
-
-# The subprocess of a kill case: python -m helpers.dreambooth that kills itself (SIGKILL: no clean-up,
-# no finally) when files.move_dir_into_place is about to swap in a folder named argv[1].
-KILLER = """
-import os, signal, sys
-from pathlib import Path
-from helpers.core import files
-from helpers.dreambooth.command import cli
-swap = files.move_dir_into_place
-def killing(src, path):
-    if Path(path).name == sys.argv[1]:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return swap(src, path)
-files.move_dir_into_place = killing
-sys.exit(cli(sys.argv[2:]))
-"""
 
 
 @dataclass(frozen=True)
@@ -183,18 +142,11 @@ CASES = [
 ]  # fmt: skip
 
 
-def run_killed(name: str, values: dict) -> None:
-    argv = [sys.executable, "-c", KILLER, name, *DreamBoothConfig(**values).to_args()]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.name.split(":")[0] for c in CASES])
 def test_crash_then_resume(case: Case, reference, tmp_path, monkeypatch, counter):
     out = tmp_path / "out"
     if case.crash is None:
-        run_killed("checkpoint-4", settings(out, **case.overrides))
+        run_killed("helpers.dreambooth.command", "checkpoint-4", config(out, **case.overrides).to_args())
     else:
         with monkeypatch.context() as mp:
             case.crash(mp)
@@ -343,31 +295,12 @@ def test_a_full_disk_is_one_line_naming_the_path_and_free_space(where, tmp_path,
 
 # --- one run per folder ---------------------------------------------------------------------------
 
-HOLDER = """
-import sys, time
-from helpers.training.engine.folder import FolderLock
-FolderLock(sys.argv[1]).acquire()
-print("locked", flush=True)
-time.sleep(120)
-"""
-
 
 @pytest.fixture
 def holder(tmp_path):
     """A second real process holding ``tmp_path/out``'s lock (killed with SIGKILL at the end)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(tmp_path / "out")],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout.readline() == "locked\n"  # EOF (an empty line) if it failed
+    with lock_holder(tmp_path / "out") as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_process(holder, tmp_path, capsys):

@@ -24,7 +24,14 @@ import torch
 from accelerate import Accelerator
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
-from tiny_parts import tiny_settings
+from tiny_parts import (
+    Crash,
+    crash_when,
+    lock_holder,
+    one_thread,  # noqa: F401 (autouse: every run of this module on one thread)
+    run_killed,
+    tiny_settings,
+)
 
 from helpers.core import files
 from helpers.core.errors import InputError
@@ -42,11 +49,6 @@ from helpers.training.config import TrainConfig
 from helpers.training.engine import checkpoints
 
 STEPS = 4
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class Crash(RuntimeError):
-    """Stands for whatever stops a run at that point (an error, Ctrl-C, a full disk)."""
 
 
 def settings(output_dir: Path, **overrides) -> dict:
@@ -60,17 +62,6 @@ def config(output_dir: Path, **overrides) -> TrainConfig:
 
 def embeds(output_dir: Path) -> torch.Tensor:
     return load_file(Path(output_dir) / LEARNED_EMBEDS)["<dicoo>"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Every run of this module on one thread. Two runs of the same settings on 2 threads are not
-    bit-identical on this machine's kernels (seen 2026-11-27: losses equal to 1e-6 for two steps,
-    then AdamW turns the difference into visibly other weights); on one thread they are, so the
-    comparisons below can be exact."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")  # cpu.set_threads reads it at each run's start
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +82,6 @@ class Counter:
             return real(*args, **kwargs)
 
         monkeypatch.setattr(ti, "training_step", counting)
-
-
-def crash_when(monkeypatch, module, name: str, when=lambda *a, **k: True) -> None:
-    """Make ``module.name`` raise :class:`Crash` on the first call for which ``when(*args)`` holds."""
-    real = getattr(module, name)
-
-    def crashing(*args, **kwargs):
-        if when(*args, **kwargs):
-            raise Crash(f"simulated crash in {name}")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, crashing)
 
 
 def named(path_name: str, position: int = 0):
@@ -139,30 +118,6 @@ class Case:
 
 
 PIPELINE = {"save_as_full_pipeline": True}
-
-# The subprocess of a kill case: python -m helpers.train that kills itself (SIGKILL: no clean-up,
-# no finally) when files.move_dir_into_place is about to swap in a folder named argv[1].
-KILLER = """
-import os, signal, sys
-from pathlib import Path
-from helpers.core import files
-from helpers.train import cli
-swap = files.move_dir_into_place
-def killing(src, path):
-    if Path(path).name == sys.argv[1]:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return swap(src, path)
-files.move_dir_into_place = killing
-sys.exit(cli(sys.argv[2:]))
-"""
-
-
-def run_killed(name: str, values: dict) -> None:
-    argv = [sys.executable, "-c", KILLER, name, *_flags(values)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-
 
 CASES = [
     Case(
@@ -271,7 +226,7 @@ def test_crash_then_next_run(case: Case, reference, tmp_path, monkeypatch):
     out = tmp_path / "out"
     crashed = {**case.overrides, **case.crashed}
     if case.kill_at:
-        run_killed(case.kill_at, settings(out, **crashed))
+        run_killed("helpers.train", case.kill_at, _flags(settings(out, **crashed)))
     else:
         with monkeypatch.context() as mp:
             case.crash(mp)
@@ -534,31 +489,16 @@ def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path):
     assert ti.inspect_output_dir(out).state == "interrupted" and checkpoints.list_checkpoints(out)
 
 
-LOCK_HOLDER = """
-import sys, time
-from helpers.training.engine.folder import FolderLock
-FolderLock(sys.argv[1]).acquire()
-print("locked", flush=True)
-time.sleep(120)
-"""
-
-
 def test_a_second_train_into_a_folder_in_use_is_refused_naming_the_process(tmp_path):
     """Two real processes: while one holds output_dir's lock, ``python -m helpers.train`` into it is
     one line naming that process (exit 2, nothing written); once it is killed, the next run takes over."""
     import socket
 
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out)], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    try:
-        assert holder.stdout.readline() == "locked\n"
+    with lock_holder(out) as holder:
         flags = _flags(settings(out, max_train_steps=1))
         refused = subprocess.run([sys.executable, "-m", "helpers.train", *flags], cwd=tmp_path, text=True,
                                  capture_output=True, timeout=300)  # fmt: skip
-    finally:
-        holder.kill()
-        holder.wait(timeout=60)
     line = refused.stderr.strip().splitlines()[-1]
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert line.startswith(
