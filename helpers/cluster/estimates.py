@@ -17,6 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from helpers.cluster import prices as azure_data
+from helpers.launching.preflight import (  # noqa: F401 - MEASURED_MEMORY, PeakMemory... are read from here too
+    MEASURED_MEMORY,
+    RESIDENT_WEIGHTS_GIB,
+    PeakMemory,
+    memory_basis,
+    memory_per_process,
+)
 
 # The real defaults of notebook 02 (its parameters cell; a test keeps the two equal).
 WORKSHOP_DEFAULTS = {"max_train_steps": 1000, "resolution": 512, "train_batch_size": 1}
@@ -161,64 +168,13 @@ def cluster_time(vm_size: str, node_count: int, nproc_per_node: int = 2) -> Trai
 # --- memory ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PeakMemory:
-    """One measured whole-process peak RSS of the engine training the Stable Diffusion v1.5 shape."""
+# One process's peak memory (PeakMemory rows, memory_per_process, memory_basis) lives in
+# helpers.launching.preflight, below this layer, where helpers.launch warns with it before a job starts.
 
-    resolution: int
-    precision: str  # "bf16" or "no" (fp32)
-    prepack: bool  # prepack_convs and prepack_linears on (the defaults), else both off
-    peak_mib: float
-    source: str  # the bench/results file it comes from (``python -m bench.train_step``)
-
-
-MEASURED_MEMORY: tuple[PeakMemory, ...] = (
-    PeakMemory(256, "no", True, 12058.6, "bench/results/train_step-sd15-shape-256px.json"),
-    PeakMemory(256, "bf16", True, 5887.7, "bench/results/train_step-sd15-shape-256px-bf16.json"),
-)
-# Resident weights (GiB) of the SD v1.5 shape's UNet and text encoder, counted from its modules:
-# UNet 3.20 GiB in fp32 (convolutions 2.19, linear layers 1.01), text encoder 0.46 (linear 0.32).
-# Prepacked, each packed weight adds one weight's worth (two copies, the dense weight freed); in
-# bf16 the UNet is bf16 and the fp32 text encoder keeps its weights beside two bf16 copies.
-RESIDENT_WEIGHTS_GIB = {("no", False): 3.66, ("no", True): 7.18, ("bf16", False): 2.06, ("bf16", True): 3.98}
 # Azure's documented memory per vCPU of the series in helpers.cluster.prices (D: 4 GiB, E: 8 GiB;
 # the series pages in prices.SIZES_SOURCES), and what a node keeps for its OS and daemons.
 GIB_PER_VCPU = {"D": 4, "E": 8}
 OS_RESERVE_GIB = 2.0
-
-
-def memory_per_process(resolution: int, precision: str, prepack: bool = True) -> int:
-    """Bytes one training process needs at its peak: the measured peak of :data:`MEASURED_MEMORY`
-    at the nearest resolution; at another one, the part above the resident weights
-    (:data:`RESIDENT_WEIGHTS_GIB`: activations, libraries) scaled with the pixels (stated by
-    :func:`memory_basis`). Without a measurement unpacked, the prepacked one less the copies."""
-    basis, scaled_from_packed = _memory_row(precision, prepack)
-    weights = RESIDENT_WEIGHTS_GIB[(basis.precision, basis.prepack)] * 2**30
-    rest = basis.peak_mib * 2**20 - weights
-    if scaled_from_packed:
-        weights = RESIDENT_WEIGHTS_GIB[(precision, prepack)] * 2**30
-    return int(weights + rest * (resolution / basis.resolution) ** 2)
-
-
-def _memory_row(precision: str, prepack: bool) -> tuple[PeakMemory, bool]:
-    rows = [m for m in MEASURED_MEMORY if m.precision == precision]
-    if not rows:
-        raise ValueError(f"precision={precision!r}: no memory measured; the rows are 'no' (fp32) and 'bf16'")
-    same = [m for m in rows if m.prepack == prepack]
-    return min(same or rows, key=lambda m: m.resolution), not same
-
-
-def memory_basis(resolution: int, precision: str, prepack: bool = True) -> str:
-    """Where :func:`memory_per_process` takes its number from, in one sentence."""
-    basis, derived = _memory_row(precision, prepack)
-    notes = [f"{basis.peak_mib / 1024:.1f} GiB measured at {basis.resolution} px ({basis.source})"]
-    if derived:
-        notes.append("less the prepacked copies (not measured unpacked)")
-    if resolution != basis.resolution:
-        notes.append(
-            f"the part above the weights scaled by the pixels (x{(resolution / basis.resolution) ** 2:g})"
-        )
-    return "; ".join(notes)
 
 
 def node_memory_bytes(vm_size: str) -> int:

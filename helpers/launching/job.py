@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -18,14 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from helpers.core import cpu
 from helpers.core.errors import DistributedError
 from helpers.dreambooth.config import parse_args as parse_dreambooth_args
-from helpers.launching import accelerate_config, ray_train, supervise
+from helpers.launching import accelerate_config, preflight, ray_train, supervise
 from helpers.launching.commands import LaunchCommand, detect_mpi_flavour, find_mpirun, launch_commands
 from helpers.launching.layout import ClusterLayout, is_local_host, write_hostfile
 from helpers.launching.rank_output import Output, diagnose
 from helpers.ranks.backend import resolve_backend
 from helpers.ranks.status import STATUS_DIR_ENV
+from helpers.training import models
 from helpers.training.config import parse_args as parse_train_args
 
 logger = logging.getLogger(__name__)
@@ -302,15 +305,7 @@ def prepare_job(
     Returns:
         The commands to pass to :func:`run_job`.
     """
-    if module == "helpers.dreambooth":
-        config, data_flag = parse_dreambooth_args(list(train_args)), "instance_data_dir"
-    else:
-        config, data_flag = parse_train_args(list(train_args)), "train_data_dir"
-    if getattr(config, data_flag) and not Path(getattr(config, data_flag)).is_dir():
-        raise DistributedError(
-            f"--{data_flag} {getattr(config, data_flag)} is not a folder here; give the concept images' folder "
-            "(the same path on every node)"
-        )
+    config = _parse_train_flags(module, train_args)
     backend = resolve_backend(backend)
     if launcher == "ray" and module != "helpers.train":
         raise DistributedError(
@@ -320,27 +315,85 @@ def prepare_job(
     work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
     status_dir = str((work_dir / "status").resolve())
     if launcher == "ray":
-        cmd = ray_train.driver_command(
+        commands = [ray_train.driver_command(
             train_args, nproc_per_node=layout.nproc_per_node, num_nodes=num_nodes, ray_address=ray_address,
             threads_per_process=int(layout.threads_per_process or 1), work_dir=work_dir, status_dir=status_dir,
             backend=backend,
+        )]  # fmt: skip
+    else:
+        configs = accelerate_config.write_accelerate_configs(layout, work_dir, config.mixed_precision)
+        kwargs = {}
+        if launcher == "mpirun":
+            mpirun = mpirun or find_mpirun()
+            flavour = detect_mpi_flavour(mpirun)
+            hostfile = work_dir / "hostfile"
+            if not layout.is_local:
+                write_hostfile(layout, hostfile, flavour)
+            kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
+        commands = launch_commands(
+            layout, train_args, launcher, backend=backend,
+            extra_env={STATUS_DIR_ENV: status_dir}, entry=("-m", module), log_dir=work_dir / "torchrun",
+            **kwargs,
         )  # fmt: skip
-        return [dataclasses.replace(cmd, status_dir=status_dir, output_dir=str(output_dir))]
-    configs = accelerate_config.write_accelerate_configs(layout, work_dir, config.mixed_precision)
-    kwargs = {}
-    if launcher == "mpirun":
-        mpirun = mpirun or find_mpirun()
-        flavour = detect_mpi_flavour(mpirun)
-        hostfile = work_dir / "hostfile"
-        if not layout.is_local:
-            write_hostfile(layout, hostfile, flavour)
-        kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
-    commands = launch_commands(
-        layout, train_args, launcher, backend=backend,
-        extra_env={STATUS_DIR_ENV: status_dir}, entry=("-m", module), log_dir=work_dir / "torchrun",
-        **kwargs,
-    )  # fmt: skip
+    # Last, once nothing can fail: a refused flag stays the one line printed.
+    _warn_if_short_of_memory(layout, config, launcher, module, ray_address)
     return [dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir)) for c in commands]
+
+
+def _parse_train_flags(module: str, train_args: Sequence[str]):
+    """The flags of ``module`` parsed as its ranks will parse them; its data folder must be one here."""
+    if module == "helpers.dreambooth":
+        config, data_flag = parse_dreambooth_args(list(train_args)), "instance_data_dir"
+    else:
+        config, data_flag = parse_train_args(list(train_args)), "train_data_dir"
+    if getattr(config, data_flag) and not Path(getattr(config, data_flag)).is_dir():
+        raise DistributedError(
+            f"--{data_flag} {getattr(config, data_flag)} is not a folder here; give the concept images' folder "
+            "(the same path on every node)"
+        )
+    return config
+
+
+def _warn_if_short_of_memory(
+    layout: ClusterLayout, config, launcher: str, module: str, ray_address: str | None
+) -> None:
+    """Print :func:`helpers.launching.preflight.memory_warning` on stderr when this machine's ranks need
+    more memory than it has.
+
+    Only where the measurement applies and this machine is known to run ranks: ``helpers.train``
+    (DreamBooth's memory is not measured) on a model of the Stable Diffusion v1.5 shape (not the
+    offline toy models, nor a local folder with another UNet), on a host of the layout or in
+    Ray's private runtime here. Other nodes' memory cannot be read from here and is not checked.
+    """
+    if module != "helpers.train" or not _sd15_shaped(config.pretrained_model_name_or_path):
+        return
+    if launcher == "ray":
+        nodes_here = 0 if ray_address else 1  # a Ray cluster places the workers itself
+    else:
+        nodes_here = sum(is_local_host(host) for host in layout.hosts)
+    if not nodes_here:
+        return
+    precision = cpu.choose_precision(config.mixed_precision).mixed_precision  # as this CPU's ranks will
+    prepack = (config.prepack_convs or config.prepack_linears) and not config.use_ipex
+    line = preflight.memory_warning(
+        layout.nproc_per_node, config.resolution, precision, prepack, nodes_here=nodes_here
+    )
+    if line:
+        print(line, file=sys.stderr)
+
+
+def _sd15_shaped(model: str) -> bool:
+    """Whether ``model`` has the UNet of Stable Diffusion v1.5, whose memory is measured: a Hub id or
+    a folder without a readable UNet config is taken to (the workshop's models); the offline toy
+    models and local folders with other UNet widths are not."""
+    if model in models.OFFLINE_MODELS:
+        return False
+    unet_config = Path(model).expanduser() / "unet" / "config.json"
+    try:
+        widths = list(json.loads(unet_config.read_text())["block_out_channels"])
+    except (OSError, ValueError, KeyError, TypeError):  # not a folder here, or not a diffusers UNet's config
+        return True
+    return widths == list(models.SD15_SHAPE_UNET_CONFIG["block_out_channels"])
 
 
 _DEFAULT_SECONDS = {"exit_grace_seconds": 60, "stall_seconds": 900}

@@ -1,4 +1,5 @@
-"""Before a job starts: can every node be reached, does it have the packages, files and a free port."""
+"""Before a job starts: can every node be reached, does it have the packages, files and a free port;
+does this node have the memory its processes need."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import psutil
 
 from helpers.launching.layout import ClusterLayout, is_local_host
 
@@ -141,3 +144,112 @@ def preflight(
                 found.append(("port", f"port {layout.main_process_port} is in use", _PORT_FIX))
         problems += [PreflightProblem(host, *f) for f in found]
     return problems
+
+
+# --- memory ---------------------------------------------------------------------------------
+# Kept here, below helpers.cluster (which may not be imported from here): helpers.launch warns with
+# them before a job starts, and helpers.cluster.estimates sizes a cluster's nodes with the same rows.
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """One measured whole-process peak RSS of the engine training the Stable Diffusion v1.5 shape."""
+
+    resolution: int
+    precision: str  # "bf16" or "no" (fp32)
+    prepack: bool  # prepack_convs and prepack_linears on (the defaults), else both off
+    peak_mib: float
+    source: str  # the bench/results file it comes from (``python -m bench.train_step``)
+
+
+MEASURED_MEMORY: tuple[PeakMemory, ...] = (
+    PeakMemory(256, "no", True, 12058.6, "bench/results/train_step-sd15-shape-256px.json"),
+    PeakMemory(256, "bf16", True, 5887.7, "bench/results/train_step-sd15-shape-256px-bf16.json"),
+)
+# Resident weights (GiB) of the SD v1.5 shape's UNet and text encoder, counted from its modules:
+# UNet 3.20 GiB in fp32 (convolutions 2.19, linear layers 1.01), text encoder 0.46 (linear 0.32).
+# Prepacked, each packed weight adds one weight's worth (two copies, the dense weight freed); in
+# bf16 the UNet is bf16 and the fp32 text encoder keeps its weights beside two bf16 copies.
+RESIDENT_WEIGHTS_GIB = {("no", False): 3.66, ("no", True): 7.18, ("bf16", False): 2.06, ("bf16", True): 3.98}
+
+
+def memory_per_process(resolution: int, precision: str, prepack: bool = True) -> int:
+    """Bytes one training process needs at its peak: the measured peak of :data:`MEASURED_MEMORY`
+    at the nearest resolution; at another one, the part above the resident weights
+    (:data:`RESIDENT_WEIGHTS_GIB`: activations, libraries) scaled with the pixels (stated by
+    :func:`memory_basis`). Without a measurement unpacked, the prepacked one less the copies."""
+    basis, scaled_from_packed = _memory_row(precision, prepack)
+    weights = RESIDENT_WEIGHTS_GIB[(basis.precision, basis.prepack)] * 2**30
+    rest = basis.peak_mib * 2**20 - weights
+    if scaled_from_packed:
+        weights = RESIDENT_WEIGHTS_GIB[(precision, prepack)] * 2**30
+    return int(weights + rest * (resolution / basis.resolution) ** 2)
+
+
+def _memory_row(precision: str, prepack: bool) -> tuple[PeakMemory, bool]:
+    rows = [m for m in MEASURED_MEMORY if m.precision == precision]
+    if not rows:
+        raise ValueError(f"precision={precision!r}: no memory measured; the rows are 'no' (fp32) and 'bf16'")
+    same = [m for m in rows if m.prepack == prepack]
+    return min(same or rows, key=lambda m: m.resolution), not same
+
+
+def memory_basis(resolution: int, precision: str, prepack: bool = True) -> str:
+    """Where :func:`memory_per_process` takes its number from, in one sentence."""
+    basis, derived = _memory_row(precision, prepack)
+    notes = [f"{basis.peak_mib / 1024:.1f} GiB measured at {basis.resolution} px ({basis.source})"]
+    if derived:
+        notes.append("less the prepacked copies (not measured unpacked)")
+    if resolution != basis.resolution:
+        notes.append(
+            f"the part above the weights scaled by the pixels (x{(resolution / basis.resolution) ** 2:g})"
+        )
+    return "; ".join(notes)
+
+
+def local_memory_bytes() -> int:
+    """This machine's total memory (``MemTotal`` of ``/proc/meminfo``, through psutil)."""
+    return psutil.virtual_memory().total
+
+
+def memory_warning(
+    nproc_per_node: int,
+    resolution: int,
+    precision: str,
+    prepack: bool = True,
+    *,
+    nodes_here: int = 1,
+    node_bytes: int | None = None,
+) -> str | None:
+    """The one-line warning when the processes this node would run need more than its memory, else None.
+
+    The need is :func:`memory_per_process` (the engine training the Stable Diffusion v1.5 shape) times
+    the processes; the memory is this machine's total (:func:`local_memory_bytes`). Only this node
+    can be checked here: the memory of other nodes (a hostfile's remote hosts, the nodes of a Ray
+    cluster) is not known to the launcher, so they are not checked.
+
+    Args:
+        nproc_per_node: processes per node.
+        resolution, precision, prepack: the run's pixels, ``"no"`` (fp32) or ``"bf16"`` as resolved
+            for this CPU, and whether the frozen weights are prepacked.
+        nodes_here: nodes of the job that are this machine (tests run several "nodes" on one).
+        node_bytes: this node's memory (default: :func:`local_memory_bytes`).
+    """
+    need = memory_per_process(resolution, precision, prepack)
+    have = local_memory_bytes() if node_bytes is None else node_bytes
+    processes = nproc_per_node * nodes_here
+    if processes * need <= have:
+        return None
+    gib = 2**30
+    who = f"{processes} process{'es' if processes > 1 else ''} {'per node' if nodes_here == 1 else 'on this machine'}"
+    fit = have // need // nodes_here
+    fix = (
+        f"pass --nproc_per_node {fit}"
+        if fit
+        else "not even one process per node fits: use a node with more memory"
+    )
+    return (
+        f"warning: {who} × ~{need / gib:.1f} GiB each ({'fp32' if precision == 'no' else precision}, "
+        f"{resolution} px) need {processes * need / gib:.1f} GiB; this node has {have / gib:.1f} GiB — "
+        f"expect swapping or an out-of-memory kill; {fix}"
+    )

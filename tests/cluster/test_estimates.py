@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cluster import estimates
+from helpers.launching import preflight
 from helpers.workshop import notebooks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,9 +119,9 @@ def test_memory_per_process_is_the_measured_peak_and_scales_only_what_is_not_wei
         estimates.PeakMemory(256, "no", True, 10240.0, "a.json"),
         estimates.PeakMemory(256, "bf16", False, 4096.0, "b.json"),
     )
-    monkeypatch.setattr(estimates, "MEASURED_MEMORY", rows)
+    monkeypatch.setattr(preflight, "MEASURED_MEMORY", rows)  # their one home, below helpers.cluster
     monkeypatch.setattr(
-        estimates,
+        preflight,
         "RESIDENT_WEIGHTS_GIB",
         {("no", True): 6.0, ("no", False): 3.0, ("bf16", True): 3.5, ("bf16", False): 2.0},
     )
