@@ -537,9 +537,10 @@ def test_notebook_05_records(notebook_records):
     assert records["openvino_default_precision"] == inference.openvino_default_precision()
     always = {*inference.VARIANTS, inference.QUANT_VARIANT}
     assert set(seconds) == always | ({inference.BF16_VARIANT} if native_bf16 else set())
-    assert ("image_psnr_bf16_vs_pt" in records) == native_bf16
     if native_bf16:  # bf16 drifts (measured ~30-36 dB) but still draws the same picture
         assert records["image_psnr_bf16_vs_pt"] > 25
+    else:  # recorded on every CPU, so the record's name is always there
+        assert records["image_psnr_bf16_vs_pt"] is None
     assert all(v > 0 for v in seconds.values())
     assert records["text_encoder_max_abs_diff"] < inference.TEXT_ENCODER_ATOL
     assert records["image_psnr_ov_vs_pt"] > inference.IMAGE_PSNR_MIN_DB
