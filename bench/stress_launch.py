@@ -36,16 +36,21 @@ while True:
 """
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.stress_launch", description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=50)
+def stress_parser(name: str, runs: int, doc: str) -> argparse.ArgumentParser:
+    """The flags of ``python -m bench.<name>`` (this module's and :mod:`bench.stress_ccl`'s)."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=runs)
     parser.add_argument("--launcher", choices=("mpirun", "torchrun", "both"), default="both",
                         help="both: alternate run by run")  # fmt: skip
     parser.add_argument("--cpu_load", type=int, default=2, help="busy processes beside the runs")
     parser.add_argument("--memory_gb", type=float, default=4.0, help="GiB held (and touched) beside the runs")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a run counts as hung")
-    parser.add_argument("--out", default=str(common.RESULTS / "stress_launch.json"))
-    return parser.parse_args(argv)
+    parser.add_argument("--out", default=str(common.RESULTS / f"{name}.json"))
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return stress_parser("stress_launch", 50, __doc__).parse_args(argv)
 
 
 @contextmanager
@@ -70,26 +75,40 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def stress(
+    args: argparse.Namespace, name: str, backend: str | None = None, about: str | None = None
+) -> dict[str, Any]:
+    """``args.runs`` jobs under load (see the module docstring), ``--backend backend`` if given; the
+    report (``about``: the backend's description, if given) written to ``args.out`` and printed."""
     launchers = ["mpirun", "torchrun"] if args.launcher == "both" else [args.launcher]
+    backend_flags = ["--backend", backend] if backend else []
     rows = []
     with load(args.cpu_load, args.memory_gb):
         for i in range(args.runs):
             launcher = launchers[i % len(launchers)]
-            flags = ["--launcher", launcher, "--nproc_per_node", "2", "--main_process_port", "0"]
+            flags = [
+                "--launcher",
+                launcher,
+                *backend_flags,
+                "--nproc_per_node",
+                "2",
+                "--main_process_port",
+                "0",
+            ]
             outcome = jobs.run_job(flags, timeout=args.timeout)
             if any("did not end within" in line for line in outcome.tail):
                 outcome.status = "hung"  # helpers.launch had to stop a rank
             rows.append({"launcher": launcher, "status": outcome.status, "seconds": round(outcome.seconds, 2),
                          "tail": outcome.tail if outcome.status != "ok" else []})  # fmt: skip
+            label = f"{launcher}, {backend}" if backend else launcher
             print(
-                f"run {i + 1}/{args.runs} ({launcher}): {outcome.status} in {outcome.seconds:.1f} s",
-                flush=True,
+                f"run {i + 1}/{args.runs} ({label}): {outcome.status} in {outcome.seconds:.1f} s", flush=True
             )
     seconds = [r["seconds"] for r in rows]
     report = {
-        "benchmark": "stress_launch",
+        "benchmark": name,
         "machine": common.machine(),
+        **({"backend": about} if about is not None else {}),
         "load": {"cpu_processes": args.cpu_load, "memory_gb": args.memory_gb},
         "timeout_seconds": args.timeout,
         "runs": len(rows),
@@ -104,6 +123,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     common.write_json(Path(args.out), report)
     print(json.dumps({k: v for k, v in report.items() if k not in ("machine", "problems")}, indent=2))
     return report
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    return stress(args, "stress_launch")
 
 
 if __name__ == "__main__":
