@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import pytest
@@ -189,3 +191,13 @@ def test_ipex_is_usable_only_when_built_for_this_torchs_minor_version(monkeypatc
         f"and this environment has torch {torch.__version__}"
     )
     assert not cpu.ipex_available()
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "AUTO,STRICT"), ("COMPATIBLE", "COMPATIBLE")])
+def test_importing_helpers_asks_mkl_for_reproducible_results_and_keeps_a_users_choice(preset, expected):
+    """Two identical 2-thread runs on an Intel Xeon differed in the last digits without MKL_CBWR
+    (tests/training/test_textual_inversion.py::test_resume_equals_uninterrupted caught it)."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | ({"MKL_CBWR": preset} if preset else {})
+    code = "import os, helpers; print(os.environ['MKL_CBWR'])"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == expected, done.stderr
