@@ -364,6 +364,7 @@ def test_overwrite_removes_every_engine_leftover_and_nothing_else(reference, tmp
         "history.json",
         "launch",
         "learned_embeds.safetensors",
+        "logs",  # the new run's TensorBoard events (--report_to tensorboard, diffusers' default)
         "notes.txt",
         "run_summary.json",
         "train_config.yaml",
