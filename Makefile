@@ -67,8 +67,9 @@ lab: setup
 handouts: demo system-packages
 	$(PY) -m helpers.workshop.handouts build --pdf
 
+# --durations: the slowest tests, so a CI log shows where its time goes (CI's limit is 90 min).
 test: setup system-packages
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not notebooks"
