@@ -55,7 +55,10 @@ def test_auto_picks_bf16_only_where_the_cpu_has_it():
 def test_bf16_asked_for_without_native_bf16_is_kept_with_a_warning():
     choice = cpu.choose_precision("bf16", frozenset({"avx2"}))
     assert choice.mixed_precision == "bf16"
-    assert "emulated and many times slower than fp32" in choice.warning and "mixed_precision='auto'" in choice.warning
+    assert (
+        "emulated and many times slower than fp32" in choice.warning
+        and "mixed_precision='auto'" in choice.warning
+    )
     assert cpu.choose_precision("bf16", frozenset({"amx_bf16"})).warning is None
     with pytest.raises(ValueError, match=r"mixed_precision='fp16': must be 'auto', 'no' or 'bf16'"):
         cpu.choose_precision("fp16")
