@@ -34,6 +34,7 @@ results come from, else into ``bench/results/<machine>/`` (``xeon-amx``, ``xeon-
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import socket
@@ -48,7 +49,9 @@ import torch
 import torch.distributed as dist
 
 from bench import common, jobs
+from bench import report as bench_report
 from helpers.core import cpu
+from helpers.ranks import oneccl
 from helpers.training import textual_inversion as ti
 
 
@@ -312,8 +315,6 @@ LATENCY_TIMEOUT = 600.0  # seconds: the whole launch, and each process group's t
 
 def latency(args: argparse.Namespace) -> dict[str, Any]:
     """All-reduce latency per backend between 2 processes on this machine; writes the JSON."""
-    from helpers.ranks import oneccl
-
     backends = list(dict.fromkeys(args.backends))
     cores = cpu.physical_cores()
     ccl_env = oneccl.environment(LATENCY_WORLD, 1, cores, 1) if "ccl" in backends else []
@@ -427,8 +428,6 @@ def train_step_effect(backends: list[str], rounds: int, model: str, steps: int) 
 
 def _results_folder(machine: dict[str, Any]) -> Path:
     """``bench/results`` on the machine of the committed results, else a subfolder named after this one."""
-    from bench import report as bench_report
-
     reference = common.RESULTS / "allreduce-sd15-shape-256px.json"
     here = bench_report.describe_machine(machine)
     if (
@@ -472,14 +471,10 @@ def format_latency(r: dict[str, Any]) -> str:
 
 def _latency_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank: every backend's all-reduce at every size, interleaved; rank 0 writes the times."""
-    import datetime
-
     rank = spec["rank"]
     torch.set_num_threads(1)
     provider = None
     if "ccl" in spec["backends"]:
-        from helpers.ranks import oneccl
-
         provider = oneccl.load()
     timeout = datetime.timedelta(seconds=LATENCY_TIMEOUT)
     store = dist.TCPStore(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import (
@@ -39,6 +40,7 @@ from helpers.core import cpu
 from helpers.core.files import write_text_atomic
 from helpers.training import data, models
 from helpers.training import textual_inversion as ti
+from helpers.training.config import TrainConfig
 from helpers.training.engine import attention, prepack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,10 +283,9 @@ def results_folder(machine: dict[str, Any]) -> Path:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
-    import diffusers
+    # imported here: transformers costs 0.8 s CPU on top of this module (measured with
+    # time.process_time), which every bench process imports, workers included; only this reads it
     import transformers
-
-    from helpers.core import cpu
 
     rep = cpu.report()
     return {
@@ -606,8 +607,6 @@ def run_engine(
         process) and ``training_peak_rss_mib`` (peak since the weights were loaded: the mark is
         reset just before the engine caches the latents).
     """
-    from helpers.training.config import TrainConfig
-
     config = TrainConfig(
         pretrained_model_name_or_path=str(model_dir(model)),
         train_data_dir=str(concept_dir(resolution, Path(workdir) / "concept")),

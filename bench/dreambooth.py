@@ -35,9 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL
 
 from bench import common
 from helpers.core import cpu
+from helpers.dreambooth import class_images, training
+from helpers.dreambooth.config import DreamBoothConfig
+from helpers.dreambooth.data import ImageViews
+from helpers.training import models
 from helpers.training.engine import prepack
 
 CLASS_PROMPT, INSTANCE_PROMPT = "a photo of a toy", "a photo of sks toy"
@@ -70,8 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_config(args: argparse.Namespace, work: Path, steps: int):
     """The run both modes train: the bundled pictures as subject and class, prior preservation, LoRA."""
-    from helpers.dreambooth.config import DreamBoothConfig
-
     pictures = common.concept_dir(args.resolution, work / "pictures")
     return DreamBoothConfig(
         pretrained_model_name_or_path=str(common.model_dir(args.model)), instance_data_dir=str(pictures),
@@ -98,11 +102,6 @@ class ReferenceStep:
     """diffusers' DreamBooth-LoRA step on the run's modules: VAE and text encoder in every step."""
 
     def __init__(self, run):
-        from diffusers import AutoencoderKL
-
-        from helpers.dreambooth import class_images
-        from helpers.dreambooth.data import ImageViews
-
         self.run = run
         config = run.config
         self.vae = AutoencoderKL.from_pretrained(run.model_dir, subfolder="vae", torch_dtype=cpu.compute_dtype(
@@ -120,8 +119,6 @@ class ReferenceStep:
             self._step(batch, marks)
 
     def _step(self, batch: dict[str, torch.Tensor], marks: dict[str, float]) -> None:
-        import torch.nn.functional as F
-
         run, config = self.run, self.run.config
         marks["start"] = time.perf_counter()
         views = torch.cat([batch["instance_view"], batch["class_view"]])
@@ -174,8 +171,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def _timed(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, float]]], int, int]:
     """Both modes on one run's modules, interleaved; also the LoRA's and the UNet's sizes."""
-    from helpers.dreambooth import training
-
     with tempfile.TemporaryDirectory(prefix="bench-dreambooth-") as work:
         run = training.setup_run(make_config(args, Path(work), args.warmup + args.steps))
         reference = ReferenceStep(run)
@@ -211,8 +206,6 @@ def class_image_seconds(args: argparse.Namespace) -> dict[str, float]:
     """Seconds to draw one class picture at the resolution, as the trainer draws them (its UNet's
     convolutions prepacked, forward only) and with PyTorch's plain convolutions: after a warm-up
     picture, two of each in the order packed, plain, plain, packed; medians."""
-    from helpers.dreambooth import class_images
-
     with tempfile.TemporaryDirectory(prefix="bench-dreambooth-class-") as work:
         config = make_config(args, Path(work), 1).replace(class_data_dir=str(Path(work) / "class"))
         pipe = class_images.class_pipeline(
@@ -319,9 +312,6 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     The peak-RSS mark is reset once the weights are loaded (for ours, in the trainer's setup just
     before the latents are cached, which counts as training).
     """
-    from helpers.dreambooth import training
-    from helpers.training import models
-
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="bench-dreambooth-child-") as work:
         config = make_config(args, Path(work), steps)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from helpers.cluster import estimates
+from helpers.cluster import prices as azure_data
 from helpers.core.errors import InputError
 
 HIDDEN = 768  # SD v1.5's text-embedding width
@@ -163,8 +164,6 @@ class Machine:
 def azure_machine(vm_size: str) -> Machine:
     """An Azure VM of ``vm_size``: half its vCPUs are cores, its published network bandwidth, bf16
     where the size guarantees native bf16 (else fp32, what ``auto`` picks on a mixed fleet's slower host)."""
-    from helpers.cluster import prices as azure_data
-
     vcpus, row = azure_data.vcpus(vm_size), azure_data.size_series(vm_size)
     gbps = azure_data.network_gbps(vm_size)
     if vcpus is None or row is None or gbps is None:

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from helpers.core.outputs import HISTORY, LEARNED_EMBEDS, SUMMARY
-from helpers.toyworld import ConceptReport
+from helpers.dreambooth.lora import LORA_WEIGHTS, lora_file, stock_lora_pipeline
+from helpers.inference import load_pytorch_pipeline
+from helpers.toyworld import ConceptReport, concept_report
+from helpers.toyworld.evaluate import concept_scores, generate_images
+from helpers.toyworld.judge import JUDGE_DIR, load_judge
+from helpers.toyworld.world import PIP
+from helpers.training import models
 
 
 def lora_report(
@@ -33,15 +39,9 @@ def lora_report(
         lora: a DreamBooth-LoRA output_dir (or its LoRA file), loaded with diffusers'
             ``load_lora_weights``; None: the base model alone (pictures *before* training).
     """
-    from helpers.dreambooth.lora import lora_file, stock_lora_pipeline
-    from helpers.inference import load_pytorch_pipeline
-    from helpers.toyworld.evaluate import concept_scores, generate_images
-    from helpers.toyworld.judge import JUDGE_DIR, load_judge
-    from helpers.training.models import resolve_model
-
     if lora is not None:
         lora_file(lora)  # fails fast, before the model loads
-    model_dir = resolve_model(model)
+    model_dir = models.resolve_model(model)
     pipe = stock_lora_pipeline(model_dir, lora) if lora is not None else load_pytorch_pipeline(model_dir)
     images = generate_images(pipe, [prompt] * num_images, seed)
     if not (model_dir / JUDGE_DIR).is_dir():
@@ -56,8 +56,6 @@ def class_share(report: ConceptReport) -> float | None:
     For the class prompt ("a photo of a toy") this should stay near 1: the class still looks like
     the class. A model that has forgotten the class draws the subject for it instead.
     """
-    from helpers.toyworld.world import PIP
-
     objects = report.judged.get("objects")
     if not objects:
         return None
@@ -113,16 +111,12 @@ def compare_methods(
         Two rows (:func:`method_row`). Textual Inversion leaves the model as it was, so its class
         pictures are the base model's.
     """
-    from helpers.toyworld import concept_report
-
     ti_dir, db_dir = Path(ti_output_dir), Path(db_output_dir)
     ti = concept_report(model, ti_prompt, ti_dir / LEARNED_EMBEDS, num_images=num_images, seed=seed)
     base_class = concept_report(model, class_prompt, num_images=num_images, seed=seed)
     db = lora_report(model, db_prompt, db_dir, num_images=num_images, seed=seed)
     db_class = lora_report(model, class_prompt, db_dir, num_images=num_images, seed=seed)
     made = json.loads((db_dir / SUMMARY).read_text()).get("class_images") or {}
-    from helpers.dreambooth.lora import LORA_WEIGHTS
-
     return [
         method_row("Textual Inversion", ti_dir, ti_dir / LEARNED_EMBEDS, ti, base_class),
         method_row("DreamBooth-LoRA", db_dir, db_dir / LORA_WEIGHTS, db, db_class, made.get("seconds", 0.0)),

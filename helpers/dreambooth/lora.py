@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from helpers.core.files import replace_dir_atomic, write_path_atomic
+from helpers.training import models
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """The LoRA file in ``output_dir`` (and in each checkpoint), as diffusers names it."""
@@ -79,10 +80,10 @@ def _file_key(model_name: str, param_name: str) -> str:
 
 def lora_state_dict(unet, text_encoder=None) -> dict[str, torch.Tensor]:
     """The LoRA matrices under diffusers' file names (fp32 copies)."""
-    models = {"unet": unet, "text_encoder": text_encoder}
+    parts = {"unet": unet, "text_encoder": text_encoder}
     return {
         _file_key(name, n): p.detach().float().cpu().contiguous()
-        for name, model in models.items() if model is not None and lora_parameters(model)
+        for name, model in parts.items() if model is not None and lora_parameters(model)
         for n, p in lora_parameters(model)
     }  # fmt: skip
 
@@ -182,13 +183,16 @@ def load_lora_pipeline(model: str | os.PathLike, lora: str | os.PathLike):
         model: the base model the LoRA was trained on (``"toyworld"``, a folder, a Hub id).
         lora: the run's output_dir or its ``pytorch_lora_weights.safetensors``.
     """
+    # imported here: diffusers' pipeline costs 6.1 s CPU on top of this module (measured with
+    # time.process_time), which helpers.dreambooth.evaluate imports for its table functions too
     from diffusers import StableDiffusionPipeline
-
-    from helpers.training.models import resolve_model
 
     state, rank = read_lora_file(lora)  # checked before the model loads
     pipe = StableDiffusionPipeline.from_pretrained(
-        resolve_model(model), torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False
+        models.resolve_model(model),
+        torch_dtype=torch.float32,
+        safety_checker=None,
+        requires_safety_checker=False,
     )
     has_text = any(k.startswith("text_encoder.") for k in state)
     add_lora(pipe.unet, pipe.text_encoder if has_text else None, rank)
@@ -198,13 +202,16 @@ def load_lora_pipeline(model: str | os.PathLike, lora: str | os.PathLike):
 
 def stock_lora_pipeline(model: str | os.PathLike, lora: str | os.PathLike):
     """The base pipeline (fp32) with ``lora`` loaded by diffusers' own ``load_lora_weights``."""
+    # imported here: diffusers' pipeline costs 6.1 s CPU on top of this module (measured with
+    # time.process_time), which helpers.dreambooth.evaluate imports for its table functions too
     from diffusers import StableDiffusionPipeline
-
-    from helpers.training.models import resolve_model
 
     file = lora_file(lora)
     pipe = StableDiffusionPipeline.from_pretrained(
-        resolve_model(model), torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False
+        models.resolve_model(model),
+        torch_dtype=torch.float32,
+        safety_checker=None,
+        requires_safety_checker=False,
     )
     pipe.load_lora_weights(str(file.parent), weight_name=file.name)
     return pipe
@@ -221,12 +228,12 @@ def save_fused_pipeline(model: str | os.PathLike, lora: str | os.PathLike, dest:
     ``unload_lora_weights``) saves its weights as ``text_base_model.model.model...``, which load
     back as random weights without an error.
     """
+    # imported here: diffusers' pipeline costs 6.1 s CPU on top of this module (measured with
+    # time.process_time), which helpers.dreambooth.evaluate imports for its table functions too
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel
 
-    from helpers.training.models import resolve_model
-
-    base = resolve_model(model)
+    base = models.resolve_model(model)
     pipe = stock_lora_pipeline(base, lora)
     pipe.fuse_lora()
     pipe.unload_lora_weights()  # the LoRA layers go; the fused weights stay

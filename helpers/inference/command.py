@@ -25,6 +25,7 @@ from helpers.inference.openvino import (
 )
 from helpers.inference.parity import compare
 from helpers.inference.pytorch import load_learned_embeds, load_pytorch_pipeline
+from helpers.training.models import HubUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     """Entry point: run a command, print its JSON result; input problems exit 2 with one ``error:`` line."""
-    from helpers.training.models import HubUnavailableError
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run(args: argparse.Namespace) -> None:

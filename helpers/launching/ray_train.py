@@ -70,6 +70,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
+from tqdm.auto import tqdm
+
 from helpers.core.errors import DistributedError, InputError
 from helpers.core.files import write_text_atomic
 from helpers.launching import supervise
@@ -78,6 +80,8 @@ from helpers.launching.layout import ClusterLayout
 from helpers.launching.rank_output import FAILED_TAG, SECONDARY, WORKER_TAG
 from helpers.ranks import faults, status
 from helpers.ranks.backend import BACKEND_ENV, BACKENDS
+from helpers.training.config import TrainConfig
+from helpers.training.config import parse_args as parse_train_args
 
 logger = logging.getLogger(__name__)
 
@@ -303,9 +307,10 @@ def train_worker(job: dict) -> None:
             folder, ``OMP_NUM_THREADS``), ``images_per_step``.
     """
     started_at = time.time()
+    # imported here: ray.train costs 3.3 s CPU and the engine (diffusers, accelerate) 3.0 s on top of
+    # helpers.launch (measured with time.process_time); only the Ray workers run this, not the launcher
     import ray.train
 
-    from helpers.training.config import TrainConfig
     from helpers.training.textual_inversion import train
 
     context = ray.train.get_context()
@@ -570,11 +575,10 @@ def _status(status_dir: str, rank: int) -> dict:
 
 def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
     """Run the TorchTrainer, show the progress bar, write ``ray_run.json``; return the exit code."""
+    # imported here: ray.train and ray.train.torch cost 3.6 s CPU on top of helpers.launch (measured
+    # with time.process_time); only --launcher ray's driver needs them
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from tqdm.auto import tqdm
-
-    from helpers.training.config import parse_args as parse_train_args
 
     config = parse_train_args(list(args.train_args))
     _absolute(config)

@@ -45,8 +45,9 @@ from helpers.core import cpu
 from helpers.core.errors import InputError, one_line
 from helpers.core.files import replace_dir_atomic, write_path_atomic, write_text_atomic
 from helpers.toyworld import world
+from helpers.toyworld.evaluate import evaluate
 from helpers.toyworld.judge import JUDGE_DIR, Judge, save_judge
-from helpers.training.models import TINY_TEXT_CONFIG
+from helpers.training.models import SD_SCHEDULER_CONFIG, TINY_TEXT_CONFIG, build_clip_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -253,10 +254,10 @@ def train_generator(
     cfg: BuildConfig, work: Path, latents: tuple[torch.Tensor, torch.Tensor, float], captions
 ):
     """Phase 3: text encoder and UNet together on the cached latents; returns the EMA copies."""
+    # imported here: these four classes cost 6.6 s CPU on top of this module (measured with
+    # time.process_time); `python -m helpers.toyworld render-sample` and --help import it and need none
     from diffusers import DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
-
-    from helpers.training.models import SD_SCHEDULER_CONFIG
 
     mean, std, scaling = latents
     torch.manual_seed(cfg.seed + 1)
@@ -380,10 +381,9 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
     temporary sibling and swapped in for any earlier build (:func:`helpers.core.files.replace_dir_atomic`);
     the phases' state stays in the sibling ``<output_dir>.build/`` until the build finishes.
     """
+    # imported here: the pipeline classes cost 6.6 s CPU on top of this module (measured with
+    # time.process_time); `python -m helpers.toyworld render-sample` and --help import it and need none
     from diffusers import PNDMScheduler, StableDiffusionPipeline
-
-    from helpers.toyworld.evaluate import evaluate
-    from helpers.training.models import SD_SCHEDULER_CONFIG, build_clip_tokenizer
 
     out = Path(cfg.output_dir)
     work = Path(f"{out}.build")

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 
 from helpers.core.errors import InputError
+from helpers.core.files import write_file_atomic
+from helpers.inference import generate, load_pytorch_pipeline, read_learned_embeds, save_images
 from helpers.toyworld import world
 from helpers.toyworld.judge import HEADS, JUDGE_DIR, Judge, judge_images, load_judge
+from helpers.training import models
 
 NUM_INFERENCE_STEPS = 20
 GUIDANCE_SCALE = 4.0
@@ -37,8 +42,6 @@ def sampling_pipeline(pipe):
 def generate_images(pipe, prompts: Sequence[str], seed: int = 0, guidance_scale: float = GUIDANCE_SCALE,
                     num_inference_steps: int = NUM_INFERENCE_STEPS) -> list:  # fmt: skip
     """One picture per prompt; picture ``i`` starts from the noise of ``(seed, i)`` whatever the batch."""
-    from helpers.inference import generate
-
     return generate(sampling_pipeline(pipe), list(prompts), num_inference_steps=num_inference_steps,
                     guidance_scale=guidance_scale, seed=seed, warmup=False).images  # fmt: skip
 
@@ -78,11 +81,9 @@ def pip_score(model: str | os.PathLike, images: Sequence) -> float | None:
     ``model`` is the base model the pictures' concept was trained on (``"toyworld"``); pictures
     from any backend (PyTorch, OpenVINO) can be scored.
     """
-    from helpers.training.models import OFFLINE_MODELS, resolve_model
-
-    if os.fspath(model) not in OFFLINE_MODELS and not Path(model).is_dir():
+    if os.fspath(model) not in models.OFFLINE_MODELS and not Path(model).is_dir():
         return None  # a Hub model: no judge, and no need to download it to learn that
-    model_dir = resolve_model(model)
+    model_dir = models.resolve_model(model)
     if not (model_dir / JUDGE_DIR).is_dir():
         return None
     return concept_scores(load_judge(model_dir), images)["concept_score"]
@@ -94,8 +95,6 @@ def check_prompt(prompt: str, learned_embeds: str | os.PathLike | None) -> None:
     Raises:
         InputError: naming the prompt and the fix, before any model loads.
     """
-    from helpers.inference import read_learned_embeds
-
     if learned_embeds is None:
         if "<" in prompt and ">" in prompt:
             raise InputError(
@@ -128,11 +127,8 @@ def concept_report(
         prompt: e.g. ``"a photo of <pip>"``; must contain the placeholder of ``learned_embeds``.
         learned_embeds: a ``learned_embeds.safetensors`` (or training output folder) to load first.
     """
-    from helpers.inference import load_pytorch_pipeline
-    from helpers.training.models import resolve_model
-
     check_prompt(prompt, learned_embeds)
-    model_dir = resolve_model(model)
+    model_dir = models.resolve_model(model)
     pipe = load_pytorch_pipeline(model_dir, learned_embeds)
     images = generate_images(pipe, [prompt] * num_images, seed, guidance_scale, num_inference_steps)
     if not (model_dir / JUDGE_DIR).is_dir():
@@ -151,8 +147,6 @@ def before_training_report(
     **kwargs: Any,
 ) -> ConceptReport:
     """:func:`concept_report` of the placeholder as a run starts it: a copy of its initializer word."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         path = initial_embeds(model, placeholder_token, initializer_token, Path(tmp) / "initial.safetensors")
         return concept_report(model, prompt, path, num_images, seed, **kwargs)
@@ -165,19 +159,19 @@ def initial_embeds(
 
     Scoring it shows what the model draws for the new word *before* training.
     """
-    from safetensors.torch import save
+    # imported here: these two lines (transformers' CLIP, diffusers and accelerate) cost 6.0 s CPU on
+    # top of helpers.toyworld (measured with time.process_time), which every importer of the package
+    # would pay, `python -m helpers.toyworld render-sample|--help` included
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    from helpers.core.files import write_file_atomic
-    from helpers.training.models import resolve_model
     from helpers.training.textual_inversion import check_tokens
 
-    model_dir = resolve_model(model)
+    model_dir = models.resolve_model(model)
     tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
     init_id = check_tokens(tokenizer, placeholder_token, initializer_token, 1)
     table = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder").get_input_embeddings().weight
     row = table[init_id][None].detach().clone().contiguous()
-    return write_file_atomic(path, lambda fh: fh.write(save({placeholder_token: row})))
+    return write_file_atomic(path, lambda fh: fh.write(safetensors.torch.save({placeholder_token: row})))
 
 
 def score(
@@ -200,17 +194,13 @@ def score(
         FileNotFoundError / InputError: a missing model or embeddings file, a model without a
             judge, a prompt without the embeddings' placeholder (before any picture is made).
     """
-    from helpers.training.models import resolve_model
-
     check_prompt(prompt, learned_embeds)
-    load_judge(resolve_model(model))  # fails fast on a model without a judge
+    load_judge(models.resolve_model(model))  # fails fast on a model without a judge
     report = concept_report(
         model, prompt, learned_embeds, num_images, seed, guidance_scale, num_inference_steps
     )
     paths = []
     if output_dir is not None:
-        from helpers.inference import save_images
-
         paths = [str(p) for p in save_images(report.images, output_dir, "image")]
     return {"prompt": prompt, "concept_score": report.concept_score, **report.judged, "images": paths}
 
@@ -226,8 +216,6 @@ def evaluate(
         (Pip is not in the world, so this should be low) and for "a photo of a teal duck" (the
         words that describe Pip: what the generator does with a combination it never saw).
     """
-    from helpers.inference import load_pytorch_pipeline
-
     judge = judge or load_judge(model_dir)
     pipe = load_pytorch_pipeline(Path(model_dir))
     rng = random.Random(f"toyworld-eval:{seed}")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFilter
 
+from helpers.core.files import write_file_atomic
 from helpers.training.data import imagenet_templates_small
 
 SIZE = 64  # the world's native resolution
@@ -302,8 +303,6 @@ def render_pip_pictures(dest: str | os.PathLike, seed: int = 0, size: int = PIP_
     Returns:
         The written files, sorted by name.
     """
-    from helpers.core.files import write_file_atomic
-
     dest = Path(dest)
     written = []
     for name, scene in PIP_SHOTS.items():
