@@ -182,8 +182,8 @@ def process_age() -> float:
     """Seconds since this process started, to about 10 ms.
 
     ``time.time() - psutil.Process().create_time()`` can be up to a second long: psutil adds the
-    start time to a boot time that ``/proc/stat`` gives in whole seconds (on one VM a command that
-    ran 6.4 s in all seemed to reach its first step after 6.9 s). On Linux both ends are read on the
+    start time to a boot time that ``/proc/stat`` gives in whole seconds (on one VM a command
+    seemed to reach its first step later than it ended). On Linux both ends are read on the
     kernel's boot-time clock instead: the start in ``/proc/self/stat`` (clock ticks) and
     ``CLOCK_BOOTTIME``. Elsewhere, psutil's reading.
     """

@@ -251,10 +251,11 @@ def copy_file_uncached(src: str | os.PathLike, dst: str | os.PathLike, chunk: in
 
     For the gigabytes of model weights a run copies beside its steps. ``shutil.copyfile`` has the
     kernel copy every byte into new page-cache pages, which takes a CPU and that much fresh memory
-    from the run: on a 2-vCPU VM, copying 3.4 GB took 1.6-3.5 s of system time and slowed the step
-    it overlapped by about 4 s. Here the file is written with ``O_DIRECT`` straight from a read-only
-    mapping of ``src`` (whose pages the run has usually loaded already): the disk reads them
-    itself, 0.3 s of system time for the same copy. The last partial block is written normally.
+    from the run: on a 2-vCPU VM, copying 3.4 GB took seconds of system time and
+    slowed the step it overlapped by a few seconds. Here the file is written with ``O_DIRECT``
+    straight from a read-only mapping of ``src`` (whose pages the run has usually loaded already):
+    the disk reads them itself, a small fraction of that system time for the same copy. The last
+    partial block is written normally.
 
     Where ``O_DIRECT`` is refused (tmpfs, some network filesystems, a platform without it), the
     copy is ``shutil.copyfile``'s. Returns whether the direct path was taken. Errors (a full

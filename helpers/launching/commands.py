@@ -1,8 +1,9 @@
 """The command lines that start a job (mpirun, torchrun) and the environment every rank gets.
 
 * Every rank runs ``python -m accelerate.commands.launch`` (what the ``accelerate launch`` script
-  runs, minus 4 s per process of importing the CLI's other subcommands), with the absolute path
-  of this interpreter, so non-interactive ssh shells on the workers need no ``PATH`` set up.
+  runs, minus a few seconds per process of importing the CLI's other subcommands), with the
+  absolute path of this interpreter, so non-interactive ssh shells on the workers need no ``PATH``
+  set up.
 * ``MASTER_ADDR``, ``MASTER_PORT`` and ``OMP_NUM_THREADS`` are always passed explicitly: under
   MPI accelerate reads the rank from ``PMI_RANK``/``OMPI_COMM_WORLD_RANK`` but still needs the
   address, and would otherwise set one thread per process.

@@ -89,7 +89,7 @@ RUN_FILE = "ray_run.json"  # in the work folder: what the driver saw (reports, s
 VERSIONS = ("ray", "torch")  # must be the same on every node (and Python)
 CONNECT_SECONDS = 3.0  # to decide that nothing answers at --ray_address
 SHUTDOWN_SECONDS = 30.0  # for ray.shutdown() before the private runtime is killed
-INIT_SECONDS = 180.0  # for ray.init() (a loaded 2-core machine took 10 s)
+INIT_SECONDS = 180.0  # for ray.init() (many times what a loaded 2-core machine took)
 REPORT_SECONDS = 2.0  # at most one report per this many seconds (see _StepReporter)
 
 # Set in the driver before Ray is imported; a private runtime's processes inherit them, and the

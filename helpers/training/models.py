@@ -239,7 +239,7 @@ def load_components(
     VAE load in the dtype asked for (bf16 halves their memory where bf16 is native). With
     ``load_vae=False`` the VAE is not loaded (``vae`` is None): the engine loads it only when
     latents are missing from its cache. A ``tokenizer`` already loaded is used instead of loading
-    it again (0.3-0.4 s with the CLIP vocabulary).
+    it again (loading the CLIP vocabulary takes a noticeable part of a second).
     """
     from diffusers import DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer

@@ -17,7 +17,8 @@ Where the official ``oneccl_bindings_for_pytorch`` imports, :func:`load` imports
 
 ``make setup`` runs ``python -m helpers.ranks.oneccl build``: the extension goes into
 ``<venv>/share/workshop-ccl/<hash>/`` (``make distclean`` removes it), the hash covering the C++
-source, torch's version and oneCCL's version, so any of them changing builds afresh (~45 s).
+source, torch's version and oneCCL's version, so any of them changing builds afresh
+(about a minute).
 
 Tested here: every collective against gloo on 2 and 3 processes, a rank that never joins, a killed
 rank (``tests/ranks/test_oneccl.py``); the engine on ccl under mpirun (Intel MPI), torchrun and Ray,
@@ -261,8 +262,9 @@ def load(build_if_missing: bool = False) -> str:
     """Register the ``ccl`` backend with ``torch.distributed``; idempotent.
 
     Uses ``oneccl_bindings_for_pytorch`` where it imports, else this package's extension (built by
-    ``make setup``; ``build_if_missing`` builds it now, ~45 s). Sets ``CCL_OFI_LIBRARY_PATH`` and
-    ``FI_PROVIDER_PATH`` to impi-rt's libfabric when they are unset (else Debian's libfabric may load).
+    ``make setup``; ``build_if_missing`` builds it now, about a minute). Sets
+    ``CCL_OFI_LIBRARY_PATH`` and ``FI_PROVIDER_PATH`` to impi-rt's libfabric when they are unset
+    (else Debian's libfabric may load).
 
     Returns:
         Which implementation provides ``ccl``: ``"oneccl_bindings_for_pytorch"`` or ``"helpers.ranks.oneccl"``.
@@ -375,7 +377,8 @@ def environment(
                 "CCL_YIELD",
                 "sched_yield",
                 f"{local_world_size} ranks x ({threads_per_process} threads + 1 oneCCL worker) exceed {cores} cores: "
-                "waiting workers yield (spinning ones starved each other: 24 ms per 3 KB all-reduce on 2 cores)",
+                "waiting workers yield (spinning ones starved each other: "
+                "a 3 KB all-reduce many times slower on 2 cores)",
             ),
             ("CCL_SPIN_COUNT", "1", "and spin once before yielding"),
         ]

@@ -13,18 +13,18 @@ options table of ``docs/performance.md``; both directions' copies together buy m
 A layer's dense weight is freed as soon as its forward's copy exists (:func:`_release`), and the
 input gradient's copy is made from the forward's: the copies add one weight's worth, not two, and
 the dense weights never sit beside the forward's copies and the first forward's activations (that
-sum was the training peak: 12.1 GiB against the reference's 6.1 in fp32 at 256 px when the weight
-was freed only after the first backward). ``state_dict()`` still gives the dense weight (rebuilt
-from the forward's copy, bit for bit), :func:`restore`, :func:`unpack` and :func:`plain` give it
-back, a deep copy gets its own, and a layer cast to another dtype gets it back before new copies
-are made. The strided downsamplers keep theirs (their input gradient takes PyTorch's path), and so
-do a convolution packed for the forward only and a linear layer whose copies are in a narrower
-dtype than its weight.
+sum set the training peak when the weight was freed only after the first backward; the peaks
+measured since: bench/results/xeon-amx/train_step-sd15-shape-256px.json). ``state_dict()``
+still gives the dense weight (rebuilt from the forward's copy, bit for bit), :func:`restore`,
+:func:`unpack` and :func:`plain` give it back, a deep copy gets its own, and a layer cast to
+another dtype gets it back before new copies are made. The strided downsamplers keep theirs (their
+input gradient takes PyTorch's path), and so do a convolution packed for the forward only and a
+linear layer whose copies are in a narrower dtype than its weight.
 
 With a laid-out weight, oneDNN's op takes and returns channels-last activations (it copies any
 other input into that layout). So the packed UNet's activations, and the gradients flowing back
-through them, are channels-last; the input gradient keeps them so (1.02x in bf16: no copy there
-and back per convolution), and the results are the same bit for bit.
+through them, are channels-last; the input gradient keeps them so (slightly faster in bf16: no copy
+there and back per convolution), and the results are the same bit for bit.
 
 The engine (and the DreamBooth-LoRA trainer, whose LoRA leaves the convolutions frozen) packs the
 UNet when ``prepack_convs`` is on (the default) and the copies fit in memory (:func:`pack_unet`);
@@ -37,12 +37,12 @@ it out afresh each time, which costs most where few rows meet a large weight (th
 levels of the UNet at 256 px). The forward's copy is the weight laid out by
 ``mkldnn._reorder_linear_weight``, the input gradient's is its transpose laid out the same way;
 both run through ``mkldnn._linear_pointwise`` (fp32 and bf16 alike: MKL's packed format would add
-about 8 MB to every copy). The text encoder's linear layers are packed too; under autocast a
-packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype. What the
+several megabytes to every copy). The text encoder's linear layers are packed too; under autocast
+a packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype. What the
 whole step gains: ``docs/performance.md``.
 
-The copies are made on first use, so the first step pays for them, and pays them back within about
-ten steps (``docs/performance.md``, the guides' command end to end).
+The copies are made on first use, so the first step pays for them, and the steps after it pay them
+back (how soon: ``docs/performance.md``, the guides' command end to end).
 The copies cannot be kept on disk for the next run: they are oneDNN
 tensors, whose storage PyTorch cannot save (``torch.save`` raises).
 """

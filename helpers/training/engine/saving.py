@@ -175,12 +175,12 @@ class PipelineCopy:
 
     They make 3.6 of the 4.1 GB an SD v1.5 pipeline writes, and training never changes them. Copied
     in a background thread (the GIL is free while the kernel writes), the copy and the disk's writes
-    overlap the first steps instead of following the last one: the save after the last step goes
-    from 10 s to 1 s. The files are written by :func:`helpers.core.files.copy_file_uncached`, which
-    leaves the steps their CPUs and memory (its docstring says what a page-cache copy cost them;
-    the whole command's numbers are in docs/performance.md). Only parts the base holds as
-    diffusers writes them (:data:`UNCHANGED_PARTS`) are copied, byte for byte;
-    :func:`save_full_pipeline` saves the others.
+    overlap the first steps instead of following the last one: the save after the last step takes
+    a small fraction of its time. The files are written by
+    :func:`helpers.core.files.copy_file_uncached`, which leaves the steps their CPUs and memory (its
+    docstring says what a page-cache copy cost them; the whole command's numbers are in
+    docs/performance.md). Only parts the base holds as diffusers writes them
+    (:data:`UNCHANGED_PARTS`) are copied, byte for byte; :func:`save_full_pipeline` saves the others.
     The thread never calls back into the run; :meth:`wait` re-raises its error (a full disk).
 
     Args:
