@@ -149,7 +149,7 @@ def ensure_class_images(
         total=len(todo), desc="class images", unit="image", disable=not accelerator.is_local_main_process
     )
     # the other ranks draw as many meanwhile
-    pipe = class_pipeline(model_dir, dtype, prepack_convs=config.prepack_convs)
+    pipe = class_pipeline(model_dir, dtype, prepack_convs=config.prepack_convs is not False)
     draw_class_images(config, pipe, mine, lambda n: progress.update(
         min(n * accelerator.num_processes, progress.total - progress.n)))  # fmt: skip
     progress.close()

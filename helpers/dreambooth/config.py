@@ -129,7 +129,7 @@ class DreamBoothConfig(Settings):
     num_validation_images: int = same_as(TrainConfig, "num_validation_images")
     validation_epochs: int = setting(50, "validate after every N-th epoch (and at the end)", ge=1)
     gradient_checkpointing: bool = setting(False, "trade compute for memory in the UNet (and text encoder)")
-    prepack_convs: bool = same_as(TrainConfig, "prepack_convs")
+    prepack_convs: bool | None = same_as(TrainConfig, "prepack_convs")
     dataloader_num_workers: int = same_as(TrainConfig, "dataloader_num_workers")
 
     def more_problems(self) -> list[str]:

@@ -260,8 +260,9 @@ def setup_run(config: DreamBoothConfig) -> Run:
     vae.eval()
     params = add_lora(unet, text_encoder if config.train_text_encoder else None, config.rank, config.seed)
     packed = None
-    if config.prepack_convs:  # LoRA trains the attention's linear layers: the convolutions stay frozen
-        packed = prepack.pack_unet(unet)
+    # LoRA trains the attention's linear layers: the convolutions stay frozen (None: where they fit)
+    if config.prepack_convs is not False:
+        packed = prepack.pack_unet(unet, required=["convs"] if config.prepack_convs else [])
         packed.log(logger, main_process_only=True)
     unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode
     text_encoder.train(config.gradient_checkpointing and config.train_text_encoder)

@@ -374,7 +374,8 @@ def _warn_if_short_of_memory(
     if not nodes_here:
         return
     precision = cpu.choose_precision(config.mixed_precision).mixed_precision  # as this CPU's ranks will
-    prepack = (config.prepack_convs or config.prepack_linears) and not config.use_ipex
+    packed = config.prepack_convs is not False or config.prepack_linears is not False  # None: where it fits
+    prepack = packed and not config.use_ipex
     line = preflight.memory_warning(
         layout.nproc_per_node, config.resolution, precision, prepack, nodes_here=nodes_here
     )

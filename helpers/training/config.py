@@ -153,16 +153,18 @@ class TrainConfig(Settings):
         "folder of the latent cache (default: $WORKSHOP_LATENT_CACHE, else latents/ in "
         "$WORKSHOP_CACHE or ~/.cache/sd-cpu-workshop)",
     )
-    prepack_convs: bool = setting(
-        True,
+    prepack_convs: bool | None = setting(
+        None,
         "lay out the frozen UNet's convolution weights for oneDNN once instead of in every step: faster "
-        "steps for two more copies of those weights, skipped if memory is short (--no-prepack_convs: off)",
+        "steps for two more copies of those weights. Default: where the copies fit in memory; "
+        "--prepack_convs: always (one line and exit 2 where memory is short); --no-prepack_convs: off",
     )
-    prepack_linears: bool = setting(
-        True,
+    prepack_linears: bool | None = setting(
+        None,
         "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of "
-        "in every call: faster steps for two more copies of those weights, skipped if memory is short "
-        "(--no-prepack_linears: off)",
+        "in every call: faster steps for two more copies of those weights. Default: where the copies "
+        "fit in memory; --prepack_linears: always (one line and exit 2 where memory is short); "
+        "--no-prepack_linears: off",
     )
     use_ipex: bool = setting(
         False, "optimise the UNet with Intel Extension for PyTorch (its environment: make setup-ipex)"

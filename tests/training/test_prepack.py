@@ -405,12 +405,34 @@ def test_prepacking_asked_for_where_memory_is_short_is_one_line_with_the_need_an
     # the convolutions fit (0.5 of 2 GiB over 2 processes: 0.5 GiB), the linear layers beside them do not
     monkeypatch.setattr(prepack, "linear_copy_bytes", lambda *args: gib)
     with pytest.raises(InputError) as err:
-        prepack.pack_unet(net, available_bytes=2 * gib, linears=True, required=True)
+        prepack.pack_unet(net, available_bytes=2 * gib, linears=True, required=["convs", "linears"])
     assert str(err.value) == (
         "--prepack_linears: the linear copies need 1.0 GiB and this process's share of free memory is "
         f"{(0.5 * gib - convs) / gib:.1f} GiB (0.5 of 2.0 GiB free over 2 processes). Fix: free memory or "
         "run fewer processes per node, or pass --no-prepack_linears"
     )
     assert "\n" not in str(err.value) and not any("forward" in m.__dict__ for m in net)  # nothing packed
-    fits = prepack.pack_unet(net, available_bytes=6 * gib, linears=True, required=True)
+    fits = prepack.pack_unet(net, available_bytes=6 * gib, linears=True, required=["convs", "linears"])
     assert (fits.convolutions, fits.linears, fits.reason) == (1, 1, None)
+
+
+def test_prepack_flags_default_to_where_it_fits_and_an_explicit_one_refuses_short_memory(tmp_path, monkeypatch):
+    """Unset (None), the copies are made where they fit and skipped with a warning where not;
+    ``--prepack_convs`` given explicitly turns memory too short into one line, before any step."""
+    import psutil
+
+    assert (ti.TrainConfig().prepack_convs, ti.TrainConfig().prepack_linears) == (None, None)
+    assert ti.TrainConfig(prepack_convs=True).to_args() == ["--prepack_convs"]
+    real = psutil.virtual_memory
+
+    def short():
+        return real()._replace(available=1024)  # 1 KiB free: no copy fits
+
+    monkeypatch.setattr(psutil, "virtual_memory", short)
+    skipped = ti.train(tiny_config(tmp_path, "auto", max_train_steps=1))
+    packed = skipped.summary["startup"]["prepacked_convs"]
+    assert (packed["convolutions"], packed["linears"]) == (0, 0) and "--no-prepack_convs" in packed["reason"]
+    with pytest.raises(InputError) as err:
+        ti.train(tiny_config(tmp_path, "forced", max_train_steps=1, prepack_convs=True))
+    assert str(err.value).startswith("--prepack_convs: the convolution copies need ") and "\n" not in str(err.value)
+    assert not (tmp_path / "forced" / "learned_embeds.safetensors").exists()

@@ -52,7 +52,7 @@ from __future__ import annotations
 import copy
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -398,7 +398,7 @@ def pack_unet(
     convs: bool = True,
     linears: bool = False,
     text_encoder: torch.nn.Module | None = None,
-    required: bool = False,
+    required: Collection[str] = (),
 ) -> PackResult:
     """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``, with
     those of ``text_encoder`` if given) where the copies fit.
@@ -409,8 +409,9 @@ def pack_unet(
     only if their copies fit beside them. The text encoder computes in the UNet's dtype (an fp32
     text encoder under bf16 autocast beside a bf16 UNet), so its copies are made in it.
     ``backward=False`` (a UNet that only generates) keeps the forward's copies only, half the memory.
-    ``required=True`` (the flag asked for explicitly) makes a kind that does not fit an
-    :class:`~helpers.core.errors.InputError` naming the need and the free memory, before any packing.
+    A kind named in ``required`` (``"convs"``, ``"linears"``: its flag given explicitly) that does not
+    fit is an :class:`~helpers.core.errors.InputError` naming the need and the free memory, before
+    any packing.
     """
     if problem := unavailable():
         return PackResult(0, 0, problem)
@@ -429,8 +430,8 @@ def pack_unet(
         need = sum(linear_copy_bytes(model, backward, dtype) for model in models)
         kinds.append(("linear", "linears", need, models, pack_linear))
     before = 0
-    for kind, flag, need, _, _ in kinds if required else ():
-        if before + need > share:
+    for kind, flag, need, _, _ in kinds:
+        if flag in required and before + need > share:
             raise InputError(
                 f"--prepack_{flag}: the {kind} copies need {need / 2**30:.1f} GiB and this process's share of "
                 f"free memory is {(share - before) / 2**30:.1f} GiB ({MEMORY_SHARE:g} of "

@@ -210,10 +210,16 @@ def _start_accelerator(config: TrainConfig) -> tuple[cpu.PrecisionChoice, Accele
 
 def _prepack(config: TrainConfig, unet, text_encoder) -> dict:
     """Lay the frozen weights out for oneDNN once, as asked; return the start-up record (``prepacked_convs``)."""
-    if not (config.prepack_convs or config.prepack_linears) or config.use_ipex:
+    # None (the default): where the copies fit; True: asked for, so memory short is an input error
+    convs, linears = config.prepack_convs is not False, config.prepack_linears is not False
+    if not (convs or linears) or config.use_ipex:
         return {}  # IPEX lays weights out its own way
     packed = prepack.pack_unet(
-        unet, convs=config.prepack_convs, linears=config.prepack_linears, text_encoder=text_encoder
+        unet,
+        convs=convs,
+        linears=linears,
+        text_encoder=text_encoder,
+        required=[flag for flag in ("convs", "linears") if getattr(config, f"prepack_{flag}")],
     )
     packed.log(logger, main_process_only=True)
     return {"prepacked_convs": dataclasses.asdict(packed)}
