@@ -474,8 +474,12 @@ def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path):
 
     out = tmp_path / "out"
     flags = _flags(settings(out, max_train_steps=500, checkpointing_steps=2))
+    # Ctrl-C as a terminal delivers it. A shell's background job (`make test &`, some CI runners)
+    # starts with SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so the
+    # trainer starts with SIGINT's default restored, as in a terminal.
     proc = subprocess.Popen([sys.executable, "-m", "helpers.train", *flags], cwd=tmp_path, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while not checkpoints.list_checkpoints(out) and time.monotonic() < deadline and proc.poll() is None:
