@@ -50,6 +50,7 @@ PAGE_READY_S = 120  # the app started and the notebook panel open
 KERNEL_READY_S = 180  # a kernel started and idle (about 4 s when the machine is quiet)
 NOTEBOOK_LIMIT_S = 1200  # Run All of one notebook (papermill runs the longest, 06, in under 5 min)
 STALL_S = 120  # cells still queued while the kernel reads idle this long: Run All has stopped, not slowed
+REOPEN_S = 60  # a saved notebook reopened: its widgets drawn again from the saved state
 FORM_WRITE_S = 60  # notebook 03's button click to its files on disk
 POLL_S = 2.0
 IDLE_POLLS = 3  # consecutive polls with nothing queued and the kernel idle: the notebook is done
@@ -242,6 +243,15 @@ const json = panel.model.toJSON();
 panel.context.save()
   .then(() => panel.sessionContext.shutdown())
   .then(() => done({notebook: json}), e => done({notebook: json, error: String(e)}));
+"""
+)
+
+JS_SHUTDOWN = (
+    JS_PANEL
+    + """
+const done = arguments[arguments.length - 1];
+if (!panel) { done('no panel'); return; }
+panel.sessionContext.shutdown().then(() => done('ok'), e => done(String(e)));
 """
 )
 
@@ -621,6 +631,26 @@ def last_statement_is_record(source: str) -> bool:
     return getattr(func, "attr", getattr(func, "id", None)) == "record"
 
 
+def reopened_findings(lab: Lab, name: str, bars_when_run: int) -> list[str]:
+    """The saved notebook opened again once its kernel has gone, as an attendee opens it the next
+    day: every progress bar drawn again from the widget state saved in the notebook (``make lab``'s
+    saveState), none reading "Error displaying widget"."""
+    open_notebook(lab, name)
+    drawn, errors, deadline = 0, [], time.monotonic() + REOPEN_S
+    while time.monotonic() < deadline and drawn < bars_when_run and not errors:
+        time.sleep(POLL_S)  # the widget manager restores the models after the panel is ready
+        cells = lab.js(JS_INSPECT, name) or []
+        drawn = sum(c["progressWidgets"] for c in cells)
+        errors = [e for c in cells for e in c["widgetErrors"]]
+    lab.driver.execute_async_script(JS_SHUTDOWN, name)  # the kernel the reopening started; no save
+    found = [f"reopened: an output reads {e!r}" for e in errors[:3]]
+    if drawn < bars_when_run:
+        found.append(
+            f"reopened: {drawn} of the {bars_when_run} progress bars drawn from the saved widget state"
+        )
+    return found
+
+
 def findings_on_screen(cells: list[dict]) -> list[str]:
     """What a person would call broken, cell by cell (indices as in the notebook, from 0)."""
     found = []
@@ -731,6 +761,9 @@ def run_in_lab(lab: Lab, nb: Path) -> LabRun:
     executed_path = ARTIFACTS / f"{nb.stem}.ipynb"
     executed_path.write_text(json.dumps(executed, indent=1))
     records = notebooks.read_records(executed_path)
+    bars = sum(c["progressWidgets"] for c in cells)
+    if bars:
+        findings += reopened_findings(lab, name, bars)
 
     code = [c for c in cells if c["type"] == "code"]
     not_run = [c["index"] for c in code if c["count"] is None]
