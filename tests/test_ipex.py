@@ -150,7 +150,7 @@ def test_ipex_gradient_equals_plain_pytorch_gradient(tmp_path):
         "import sys, torch\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "import test_ipex as t\n"
-        "from helpers import cpu\n"
+        "from helpers.core import cpu\n"
         "parts, batches = t._parts()\n"
         "if sys.argv[1] == 'ipex':\n"
         "    cpu.apply_ipex(parts.unet, torch.float32)\n"
