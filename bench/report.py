@@ -304,16 +304,48 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         if k.startswith("launchers-"):  # bench/launchers.py: Ray Train against mpirun and torchrun
             out += ["", *_launchers_table(r)]
     for k, r in results.items():
-        if k.startswith("stress_launch"):  # bench/stress_launch.py: jobs that end on their own under load
+        if k.startswith("allreduce_backends-"):  # bench/allreduce.py --backends: oneCCL against gloo
+            out += ["", *_backends_table(r)]
+    for k, r in results.items():
+        if k.startswith(("stress_launch", "stress_ccl")):  # bench/stress_*.py: jobs that end under load
+            backend = " on ccl" if k.startswith("stress_ccl") else ""
             out += [
                 "",
-                f"Launch under load (`bench.stress_launch`: {r['runs']} two-process tiny jobs, mpirun and "
+                f"Launch under load (`bench.{k}`: {r['runs']} two-process tiny jobs{backend}, mpirun and "
                 f"torchrun alternating, {r['load']['cpu_processes']} busy processes and "
                 f"{r['load']['memory_gb']:g} GB held beside them): {r['ok']} of {r['runs']} ended on their own, "
                 f"{r['failures']} failures, {r['hangs']} hangs; wall time per run p50 {r['p50_seconds']:.1f} s, "
                 f"p95 {r['p95_seconds']:.1f} s.",
             ]
     return "\n".join(out) + "\n"
+
+
+def _backends_table(r: dict[str, Any]) -> list[str]:
+    """One all-reduce's latency on each backend, and the same 2-process training step on each."""
+    names = list(r["median_seconds"])
+    lines = [
+        f"All-reduce between {r['world_size']} processes ({r['threads_per_process']} thread each, this "
+        f"machine's loopback; medians of {r['rounds']} rounds), µs:",
+        "",
+        "| bytes | " + " | ".join(names) + " | " + "/".join(names) + " |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
+    for size in r["bytes"]:
+        times = [r["median_seconds"][n][str(size)] * 1e6 for n in names]
+        lines.append(
+            f"| {size:,} | " + " | ".join(f"{t:,.0f}" for t in times) + f" | {times[0] / times[-1]:.1f}x |"
+        )
+    step = r.get("train_step")
+    if step:
+        per = step["median_seconds_per_step"]
+        lines += [
+            "",
+            f"The same {step['world_size']}-process training step ({step['model']}, {step['resolution']} px, "
+            f"medians of {len(step['runs_seconds_per_step'][names[0]])} runs): "
+            + ", ".join(f"{n} {per[n]:.3f} s" for n in names)
+            + ".",
+        ]
+    return lines
 
 
 def _dreambooth_table(r: dict[str, Any]) -> list[str]:

@@ -45,7 +45,8 @@ def stress_parser(name: str, runs: int, doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--cpu_load", type=int, default=2, help="busy processes beside the runs")
     parser.add_argument("--memory_gb", type=float, default=4.0, help="GiB held (and touched) beside the runs")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a run counts as hung")
-    parser.add_argument("--out", default=str(common.RESULTS / f"{name}.json"))
+    parser.add_argument("--out", default=None,
+                        help=f"JSON results file (default: {name}.json in this machine's bench/results folder)")  # fmt: skip
     return parser
 
 
@@ -120,7 +121,7 @@ def stress(
         "measured": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "problems": [r for r in rows if r["status"] != "ok"],
     }
-    common.write_json(Path(args.out), report)
+    common.write_json(Path(args.out or common.results_folder(report["machine"]) / f"{name}.json"), report)
     print(json.dumps({k: v for k, v in report.items() if k not in ("machine", "problems")}, indent=2))
     return report
 

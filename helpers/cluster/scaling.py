@@ -16,7 +16,7 @@ are the last gradient the backward produces, so nothing overlaps it)::
   (gloo over TCP on 127.0.0.1, fitted by ``bench/scaling.py``); hops between nodes use the VM size's
   published network bandwidth (:func:`helpers.cluster.prices.network_gbps`) and the loopback latency
   plus :data:`NETWORK_LATENCY_S`. ``backend="ccl"`` uses :data:`CCL_LOOPBACK` instead (oneCCL over
-  shared memory, fitted by ``bench/scaling.py --backend ccl``; None until that fit is committed).
+  shared memory, fitted by ``bench/scaling.py --backend ccl``; None where no fit is committed).
 * **Bytes**: ours all-reduces ``num_vectors x 768`` fp32 values (3,072 bytes for one vector), the
   reference the whole 49,409 x 768 matrix (151,784,448 bytes), whatever the precision of the step.
 
@@ -66,10 +66,11 @@ class Link:
 LOOPBACK = Link(latency_s=144e-6, bytes_per_s=1.78e9)
 LOOPBACK_SOURCE = "bench/results/scaling-loopback.json"
 # The ccl backend's link inside a node (helpers.ranks.oneccl: oneCCL over libfabric's shared memory),
-# fitted by `python -m bench.scaling --backend ccl` into CCL_LOOPBACK_SOURCE. None until that run is
-# committed (no quiet machine for it yet): the model then has no ccl link and says so.
-CCL_LOOPBACK: Link | None = None
-CCL_LOOPBACK_SOURCE = "bench/results/scaling-loopback-ccl.json"
+# fitted by `python -m bench.scaling --backend ccl` into CCL_LOOPBACK_SOURCE, on a 2-core Xeon: not the
+# machine LOOPBACK comes from. The same Xeon's gloo fit (xeon-avx512/scaling-loopback.json) is the
+# like-for-like comparison; tests/cluster/test_scaling.py keeps this equal to its source.
+CCL_LOOPBACK: Link | None = Link(latency_s=31e-6, bytes_per_s=3.85e9)
+CCL_LOOPBACK_SOURCE = "bench/results/xeon-avx512/scaling-loopback-ccl.json"
 # Added to the loopback latency between VMs. Not measured (no second machine here): an assumed
 # one-way TCP latency inside an Azure region with accelerated networking.
 NETWORK_LATENCY_S = 50e-6

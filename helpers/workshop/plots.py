@@ -296,11 +296,15 @@ def scaling_figure(
     layouts: Sequence[tuple[scaling.Machine | str, int]] = scaling.FIGURE_LAYOUTS, max_nodes: int = 16
 ) -> Figure:
     """docs/scaling.md's and notebook 04's figure: predicted images/s against processes for 1..``max_nodes``
-    nodes, ours (solid) against the reference (dashed), one colour per machine, and the guide's
-    published point."""
+    nodes, ours (solid) against the reference (dashed), ours on ccl (dotted, where the model has
+    ccl's fitted link), one colour per machine, and the guide's published point."""
     check = scaling.guide_check()
+    lines = scaling.curves(layouts, max_nodes)
+    if scaling.CCL_LOOPBACK is not None:
+        on_ccl = scaling.curves(layouts, max_nodes, backend="ccl")
+        lines |= {(group, "ours, ccl"): xy for (group, mode), xy in on_ccl.items() if mode == "ours"}
     fig = line_groups(
-        scaling.curves(layouts, max_nodes),
+        lines,
         title=f"Model: SD v1.5 textual inversion, 512 px, batch 1 per process, 1-{max_nodes} nodes",
         xlabel="processes (nodes x processes per node)",
         ylabel="images / s",

@@ -416,7 +416,9 @@ def test_prepacking_asked_for_where_memory_is_short_is_one_line_with_the_need_an
     assert (fits.convolutions, fits.linears, fits.reason) == (1, 1, None)
 
 
-def test_prepack_flags_default_to_where_it_fits_and_an_explicit_one_refuses_short_memory(tmp_path, monkeypatch):
+def test_prepack_flags_default_to_where_it_fits_and_an_explicit_one_refuses_short_memory(
+    tmp_path, monkeypatch
+):
     """Unset (None), the copies are made where they fit and skipped with a warning where not;
     ``--prepack_convs`` given explicitly turns memory too short into one line, before any step."""
     import psutil
@@ -434,5 +436,7 @@ def test_prepack_flags_default_to_where_it_fits_and_an_explicit_one_refuses_shor
     assert (packed["convolutions"], packed["linears"]) == (0, 0) and "--no-prepack_convs" in packed["reason"]
     with pytest.raises(InputError) as err:
         ti.train(tiny_config(tmp_path, "forced", max_train_steps=1, prepack_convs=True))
-    assert str(err.value).startswith("--prepack_convs: the convolution copies need ") and "\n" not in str(err.value)
+    assert str(err.value).startswith("--prepack_convs: the convolution copies need ") and "\n" not in str(
+        err.value
+    )
     assert not (tmp_path / "forced" / "learned_embeds.safetensors").exists()
