@@ -145,6 +145,14 @@ def hub_unreachable_reason(timeout: float = 3.0) -> str | None:
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
+    return hub_connection_problem(timeout)
+
+
+def hub_connection_problem(timeout: float = 3.0) -> str | None:
+    """Why the Hub's endpoint cannot be reached over the network (None if it can); ``HF_HUB_OFFLINE``
+    is not consulted (:func:`hub_unreachable_reason` does)."""
+    from huggingface_hub import constants
+
     endpoint = urlparse(constants.ENDPOINT)
     port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
     try:

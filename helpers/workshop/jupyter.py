@@ -17,16 +17,14 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
-from urllib.parse import urlparse
 
-from huggingface_hub import constants
 from jupyterlab.labapp import LabApp
 
 from helpers.core.errors import InputError, run_cli
 from helpers.core.files import write_path_atomic, write_text_atomic
+from helpers.training.models import hub_connection_problem
 from helpers.workshop.notebooks import notebook_paths, tiny_profile
 
 logger = logging.getLogger(__name__)
@@ -59,24 +57,13 @@ def install_lab_settings(settings_dir: str | os.PathLike | None = None) -> Path:
     return write_text_atomic(path, json.dumps(LAB_SETTINGS, indent=1) + "\n")
 
 
-def hub_connection_problem(timeout: float = 3.0) -> str | None:
-    """Why the Hub's endpoint cannot be reached over the network (None if it can).
-
-    ``HF_HUB_OFFLINE`` is not consulted: ``make`` exports its default (1) to every recipe, so ``make
-    lab`` would always have read "offline"; the Makefile passes ``--offline 1`` or ``0`` when a person
-    sets it, and the kernels get ``HF_HUB_OFFLINE`` from this decision.
-    """
-    endpoint = urlparse(constants.ENDPOINT)
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
-    except OSError as err:
-        return f"{endpoint.hostname}:{port} cannot be reached ({err})"
-    return None
-
-
 def decide_offline(choice: str = "auto") -> tuple[bool, str]:
-    """``(offline, why)`` for ``choice`` ``"1"``, ``"0"`` or ``"auto"`` (offline when the Hub cannot be reached)."""
+    """``(offline, why)`` for ``choice`` ``"1"``, ``"0"`` or ``"auto"`` (offline when the Hub cannot be reached).
+
+    ``auto`` asks the network, not ``HF_HUB_OFFLINE``: ``make`` exports its default (1) to every
+    recipe, so ``make lab`` would always have read "offline"; the Makefile passes ``--offline 1`` or
+    ``0`` when a person sets it, and the kernels get ``HF_HUB_OFFLINE`` from this decision.
+    """
     if choice in ("1", "0"):
         return choice == "1", f"--offline {choice}"
     if choice != "auto":

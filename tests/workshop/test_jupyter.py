@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -70,7 +71,7 @@ def test_auto_asks_the_network_not_the_offline_variable_make_exports(monkeypatch
         calls.append(address)
         return Connection()
 
-    monkeypatch.setattr(jupyter.socket, "create_connection", connect)
+    monkeypatch.setattr(socket, "create_connection", connect)
     assert jupyter.decide_offline("auto") == (False, "the Hub can be reached")
     assert [host for host, _ in calls] == [
         urlparse(constants.ENDPOINT).hostname
@@ -79,7 +80,7 @@ def test_auto_asks_the_network_not_the_offline_variable_make_exports(monkeypatch
     def refuse(address, timeout):
         raise OSError("Name or service not known")
 
-    monkeypatch.setattr(jupyter.socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
     offline, why = jupyter.decide_offline("auto")
     assert offline and why.endswith("cannot be reached (Name or service not known)")
 
