@@ -144,3 +144,10 @@ def lock_holder(output_dir: Path) -> Iterator[subprocess.Popen]:
     finally:
         proc.kill()
         proc.wait(timeout=60)
+
+
+def mapped_rss(path) -> int:
+    """Bytes of ``path``'s memory mappings resident in this process."""
+    import psutil
+
+    return sum(m.rss for m in psutil.Process().memory_maps() if m.path == str(path))

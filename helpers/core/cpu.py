@@ -212,6 +212,54 @@ def _glibc():
         return None
 
 
+_MADV_DONTNEED = 4  # sys/mman.h
+
+
+def _in_file_mapping(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a file (``/proc/self/maps``), not anonymous memory."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            if start <= address < end:
+                return fields[4] != "0" and len(fields) == 6 and fields[5].startswith("/")
+    return False
+
+
+def drop_file_pages(tensor: torch.Tensor) -> int:
+    """Hand the kernel back the memory of ``tensor``, about to be dropped, when it is a view into a
+    memory-mapped file; return the bytes handed back (0 if none).
+
+    diffusers and transformers load safetensors weights as views into one private mapping of the
+    file. The mapping, with every page read so far, lives as long as the process, so dropping one
+    weight frees nothing: its pages stay resident. A frozen layer that computes with its own copy
+    (:mod:`helpers.training.engine.prepack`) or a VAE freed once the latents are cached would keep
+    its whole weight resident beside what replaced it. This tells the kernel the pages are not needed
+    (``madvise(MADV_DONTNEED)``); a page of a file mapping read again later is read from the file.
+
+    Only whole pages inside the tensor are handed back, only in a file mapping, and only when no
+    other tensor shares its storage (pass the tensor itself, e.g. a module's ``Parameter``, not a
+    ``.data`` or ``.detach()`` of it). Anywhere else (not Linux with glibc, anonymous memory, which
+    its allocator frees) it does nothing.
+    """
+    libc = _glibc()
+    # the tensor's own reference and the one untyped_storage() makes here
+    if (
+        libc is None
+        or tensor.device.type != "cpu"
+        or torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > 2
+    ):
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    if end <= start or not _in_file_mapping(start):
+        return 0
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
 @contextmanager
 def torch_threads(num_threads: int) -> Iterator[None]:
     """PyTorch's intra-op threads set to ``num_threads`` within the block, and restored on exit."""

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from tiny_parts import mapped_rss
 
 from helpers.core import cpu
 
@@ -204,3 +205,28 @@ def test_importing_helpers_asks_mkl_for_reproducible_results_and_keeps_a_users_c
     code = "import os, helpers; print(os.environ['MKL_CBWR'])"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == expected, done.stderr
+
+
+@pytest.mark.skipif(cpu._glibc() is None, reason="madvise through glibc: Linux only")
+def test_drop_file_pages_hands_back_a_loaded_weight_and_nothing_else():
+    from diffusers import UNet2DConditionModel
+
+    from helpers.training import models
+
+    folder = models.tiny_pipeline_dir() / "unet"
+    unet = UNet2DConditionModel.from_pretrained(folder)  # weights are views into a mapping of the file
+    (path,) = folder.glob("*.safetensors")
+    weight = max(unet.parameters(), key=lambda p: p.numel())
+    size, page = weight.numel() * weight.element_size(), os.sysconf("SC_PAGE_SIZE")
+    assert size >= 4 * page
+    total = float(weight.sum())  # every page read, so resident
+    resident = mapped_rss(path)
+
+    view = weight[:1]  # another tensor on the same storage: its pages must stay
+    assert cpu.drop_file_pages(weight) == 0
+    del view
+    dropped = cpu.drop_file_pages(weight)
+    assert size - 2 * page <= dropped <= size
+    assert resident - mapped_rss(path) >= dropped - page  # no longer resident
+    assert float(weight.sum()) == total  # read again, from the file
+    assert cpu.drop_file_pages(torch.ones(4 * page)) == 0  # anonymous memory: its allocator frees it

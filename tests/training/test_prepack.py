@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from tiny_parts import tiny_config
+from tiny_parts import mapped_rss, tiny_config
 
 from helpers.core import cpu
 from helpers.core.errors import InputError
@@ -344,6 +344,8 @@ def test_the_placeholder_gets_the_same_gradient_through_prepacked_layers():
         return learned.vectors.grad.clone()
 
     plain = gradient()
+    (unet_file,) = (base.path / "unet").glob("*.safetensors")
+    resident = mapped_rss(unet_file)  # the UNet's weights are views into a mapping of its file
     packed = prepack.pack_unet(base.unet, linears=True, text_encoder=base.text_encoder)
     assert packed.reason is None
     assert packed.convolutions == sum(map(prepack.packable, base.unet.modules())) > 0
@@ -356,6 +358,10 @@ def test_the_placeholder_gets_the_same_gradient_through_prepacked_layers():
     hook.remove()
     assert plain.norm() > 0
     assert (got - plain).norm() / plain.norm() < 1e-5
+    # the released weights' pages left memory: the copies replaced them rather than sat beside them
+    released = [m for m in base.unet.modules() if m in prepack._RELEASED]
+    freed = sum(prepack._RELEASED[m][0].numel() * 4 for m in released)
+    assert len(released) > 0 and resident - mapped_rss(unet_file) >= 0.9 * freed
 
 
 def test_the_input_gradient_stays_channels_last_without_a_copy():

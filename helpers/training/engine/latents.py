@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from helpers.core import cpu
 from helpers.core.files import write_bytes_atomic, write_path_atomic
 from helpers.training import data, models
 from helpers.training.engine.step import encode_views, view_batches
@@ -261,6 +262,8 @@ def cached_latents(
             got[i] = (mean, std, scaling)
             if root is not None:
                 write_entry(entry_path(root, keys[i]), keys[i], mean, std, scaling)
+        for tensor in [*vae.parameters(), *vae.buffers()]:
+            cpu.drop_file_pages(tensor)  # loaded from a mapped file, it would stay resident
         del vae  # never needed again
     if root is not None:
         logger.info(

@@ -10,7 +10,9 @@ inside a small autograd function, so the gradient still reaches the placeholder 
 What it buys and costs on the SD v1.5 shape (``bench.optimisations --only prepacked_convs``): the
 options table of ``docs/performance.md``; both directions' copies together buy most of it.
 
-A layer's dense weight is freed as soon as its forward's copy exists (:func:`_release`), and the
+A layer's dense weight is freed as soon as its forward's copy exists (:func:`_release`; a weight
+loaded from a safetensors file is a view into the file's mapping, whose pages are handed back with
+:func:`helpers.core.cpu.drop_file_pages`, else they would stay resident beside the copies), and the
 input gradient's copy is made from the forward's: the copies add one weight's worth, not two, and
 the dense weights never sit beside the forward's copies and the first forward's activations (that
 sum set the training peak when the weight was freed only after the first backward; the peaks
@@ -105,6 +107,7 @@ def _release(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """
     if "fwd" not in state or module in _RELEASED:
         return
+    cpu.drop_file_pages(module.weight)  # a weight loaded from a mapped file would stay resident
     module.weight.data = module.weight.data.new_empty(0)
     _RELEASED[module] = (state["fwd"], module.register_state_dict_post_hook(_dense_in_state_dict))
     module.__dict__["__deepcopy__"] = types.MethodType(_deepcopy_released, module)
