@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 
 from bench import common, jobs
-from bench import report as bench_report
 from helpers.core import cpu
 from helpers.ranks import oneccl
 from helpers.training import textual_inversion as ti
@@ -112,7 +111,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.split_rounds:
         report["split"] = _split(args, cores, threads)
-    out = Path(args.out) if args.out else common.RESULTS / f"allreduce-{args.model}-{args.resolution}px.json"
+    out = common.results_path(f"allreduce-{args.model}-{args.resolution}px.json", args.out)
     common.write_json(out, report)
     print(format_report(report))
     print(f"wrote {out}")
@@ -377,11 +376,7 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
         report["gloo_over_ccl"] = {k: medians["gloo"][k] / medians["ccl"][k] for k in medians["gloo"]}
     if args.step_rounds:
         report["train_step"] = train_step_effect(backends, args.step_rounds, args.step_model, args.step_steps)
-    out = (
-        Path(args.out)
-        if args.out
-        else _results_folder(report["machine"]) / "allreduce_backends-loopback.json"
-    )
+    out = common.results_path("allreduce_backends-loopback.json", args.out, report["machine"])
     common.write_json(out, report)
     print(format_latency(report))
     print(f"wrote {out}")
@@ -424,29 +419,6 @@ def train_step_effect(backends: list[str], rounds: int, model: str, steps: int) 
     if "gloo" in medians and "ccl" in medians:
         effect["gloo_over_ccl"] = medians["gloo"] / medians["ccl"]
     return effect
-
-
-def _results_folder(machine: dict[str, Any]) -> Path:
-    """``bench/results`` on the machine of the committed results, else a subfolder named after this one."""
-    reference = common.RESULTS / "allreduce-sd15-shape-256px.json"
-    here = bench_report.describe_machine(machine)
-    if (
-        reference.exists()
-        and bench_report.describe_machine(json.loads(reference.read_text())["machine"]) == here
-    ):
-        return common.RESULTS
-    vendor = "epyc" if "EPYC" in machine["cpu"] else "xeon" if "Xeon" in machine["cpu"] else "cpu"
-    isa = machine["isa"]
-    level = (
-        "amx"
-        if "amx_bf16" in isa
-        else "avx512-bf16"
-        if "avx512_bf16" in isa
-        else "avx512"
-        if "avx512f" in isa
-        else "avx2"
-    )
-    return common.RESULTS / f"{vendor}-{level}"
 
 
 def format_latency(r: dict[str, Any]) -> str:

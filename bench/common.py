@@ -281,6 +281,12 @@ def results_folder(machine: dict[str, Any]) -> Path:
     return RESULTS / f"{vendor}-{next((name for flag, name in levels if flag in isa), 'avx2')}"
 
 
+def results_path(name: str, out: str | os.PathLike | None = None, on: dict[str, Any] | None = None) -> Path:
+    """``out`` if given, else ``name`` in the results folder of the machine ``on`` (default: this one;
+    :func:`results_folder`), so that no run overwrites another machine's results."""
+    return Path(out) if out else results_folder(on or machine()) / name
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     # imported here: transformers costs 0.8 s CPU on top of this module (measured with

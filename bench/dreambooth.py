@@ -162,7 +162,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     report = _report(args, threads, results, memory, lora_numel, unet_numel)
     if class_image:
         report["class_image_seconds"] = class_image
-    out = Path(args.out or common.RESULTS / f"dreambooth-{args.model}-{args.resolution}px.json")
+    out = common.results_path(
+        f"dreambooth-{args.model}-{args.resolution}px.json", args.out, report["machine"]
+    )
     common.write_json(out, report)
     print(format_report(report))
     print(f"wrote {out}")

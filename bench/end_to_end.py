@@ -224,10 +224,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 result[f"speedup_{m}"] = ref["wall_seconds"] / medians[m]["wall_seconds"]
                 result[f"step_speedup_{m}"] = ref["seconds_per_step"] / medians[m]["seconds_per_step"]
     precision = "bf16" if args.mixed_precision == "bf16" else "fp32"
-    out = (
-        args.out
-        or common.RESULTS / f"end_to_end-{args.model}-{args.resolution}px-{args.steps}steps-{precision}.json"
-    )
+    name = f"end_to_end-{args.model}-{args.resolution}px-{args.steps}steps-{precision}.json"
+    out = common.results_path(name, args.out)
     common.write_json(out, result)
     print("\n" + "\n".join(table([result])))
     print(f"\nwrote {out}")

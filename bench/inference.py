@@ -131,7 +131,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "calibration": calibration,
         "model_megabytes": megabytes,
     }
-    common.write_json(args.out or common.RESULTS / f"inference-{args.model}-{args.resolution}px.json", result)
+    common.write_json(
+        common.results_path(f"inference-{args.model}-{args.resolution}px.json", args.out), result
+    )
     return result
 
 

@@ -149,7 +149,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "launchers": found,
         "runs": rows,
     }
-    out = Path(args.out) if args.out else common.RESULTS / f"launchers-{args.model}-64px.json"
+    out = common.results_path(f"launchers-{args.model}-64px.json", args.out)
     common.write_json(out, report)
     print(table(found))
     return report

@@ -270,11 +270,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         result = _process_level(args, name, threads)
         report["options"][name] = result
         print(_line(name, result), flush=True)
-    out = (
-        Path(args.out)
-        if args.out
-        else common.RESULTS / f"optimisations-{args.model}-{args.resolution}px.json"
-    )
+    out = common.results_path(f"optimisations-{args.model}-{args.resolution}px.json", args.out)
     common.write_json(out, report)
     print(f"wrote {out}")
     return report

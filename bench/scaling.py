@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "fit_seconds": [scaling.ring_allreduce_seconds(n, args.world_size, link) for n in SIZES],
     }
     default = "scaling-loopback.json" if args.backend == "gloo" else "scaling-loopback-ccl.json"
-    out = Path(args.out) if args.out else common.RESULTS / default
+    out = common.results_path(default, args.out)
     common.write_json(out, report)
     print(format_report(report))
     print(f"wrote {out}")

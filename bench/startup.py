@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "machine": common.machine(),
     }
-    out = args.out or common.RESULTS / f"startup-{args.model}-{args.resolution}px.json"
+    out = common.results_path(f"startup-{args.model}-{args.resolution}px.json", args.out)
     common.write_json(out, result)
     print()
     print("\n".join(table(result)))

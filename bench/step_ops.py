@@ -29,7 +29,6 @@ import argparse
 import re
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -188,7 +187,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "machine": common.machine(),
     }
     suffix = "-bf16" if args.mixed_precision == "bf16" else ""
-    out = Path(args.out or common.RESULTS / f"step_ops-{args.model}-{args.resolution}px{suffix}.json")
+    out = common.results_path(f"step_ops-{args.model}-{args.resolution}px{suffix}.json", args.out)
     common.write_json(out, result)
     print("\n".join(table([result])))
     print(f"\nwrote {out}")

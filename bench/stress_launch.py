@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from bench import common, jobs
@@ -121,7 +120,7 @@ def stress(
         "measured": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "problems": [r for r in rows if r["status"] != "ok"],
     }
-    common.write_json(Path(args.out or common.results_folder(report["machine"]) / f"{name}.json"), report)
+    common.write_json(common.results_path(f"{name}.json", args.out, report["machine"]), report)
     print(json.dumps({k: v for k, v in report.items() if k not in ("machine", "problems")}, indent=2))
     return report
 

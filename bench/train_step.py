@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 from bench import common
@@ -138,7 +137,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     memory = {} if args.no_memory else {name: _run_child(args, name, threads) for name in modes}
     report = _report(args, threads, flops, onednn, max(gemm), results, memory)
     suffix = "-bf16" if args.mixed_precision == "bf16" else ""
-    out = Path(args.out or common.RESULTS / f"train_step-{args.model}-{args.resolution}px{suffix}.json")
+    out = common.results_path(
+        f"train_step-{args.model}-{args.resolution}px{suffix}.json", args.out, report["machine"]
+    )
     common.write_json(out, report)
     print(format_report(report))
     print(f"wrote {out}")
@@ -151,7 +152,7 @@ def _ipex(args: argparse.Namespace) -> dict[str, Any]:
     from bench import optimisations
 
     suffix = "-bf16" if args.mixed_precision == "bf16" else ""
-    out = args.out or common.RESULTS / f"optimisations-{args.model}-{args.resolution}px-ipex{suffix}.json"
+    out = common.results_path(f"optimisations-{args.model}-{args.resolution}px-ipex{suffix}.json", args.out)
     argv = ["--only", "ipex", "--model", args.model, "--resolution", str(args.resolution)]
     argv += ["--batch", str(args.batch), "--steps", str(args.steps), "--rounds", "3"]
     argv += ["--mixed_precision", args.mixed_precision, "--out", str(out)]
@@ -252,7 +253,7 @@ def _memory_only(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     }
     suffix = "-bf16" if args.mixed_precision == "bf16" else ""
     name = f"train_memory-{args.model}-{args.resolution}px{suffix}.json"
-    out = Path(args.out or common.results_folder(report["machine"]) / name)
+    out = common.results_path(name, args.out, report["machine"])
     common.write_json(out, report)
     width = 30
     lines = [f"{'peak RSS (MiB)':{width}}{'process':>12}{'training':>12}"]

@@ -572,3 +572,16 @@ def test_the_roofline_takes_the_slower_of_compute_and_weight_reads_call_by_call(
     got = step_ops.roofline(calls, peak=10.0, read_bytes_per_s=20.0)
     assert got["matmul"] == {"flops": 110, "weight_bytes": 110, "bound_seconds": 10.0 + 5.0}
     assert got["convolution"] == {"flops": 50, "weight_bytes": 0, "bound_seconds": 5.0}
+
+
+
+def test_a_result_goes_to_its_machines_folder_never_over_another_machines():
+    def measured_on(folder):
+        return json.loads((folder / "train_step-sd15-shape-256px.json").read_text())["machine"]
+
+    home, amx = measured_on(common.RESULTS), measured_on(common.RESULTS / "xeon-amx")
+    assert common.results_path("x.json", on=home) == common.RESULTS / "x.json"
+    assert common.results_path("x.json", on=amx) == common.RESULTS / "xeon-amx" / "x.json"
+    avx512 = {**home, "cpu": "Intel(R) Xeon(R) Processor", "isa": ["avx2", "avx512f", "fma"]}
+    assert common.results_path("x.json", on=avx512) == common.RESULTS / "xeon-avx512" / "x.json"
+    assert str(common.results_path("x.json", "given.json", on=avx512)) == "given.json"
