@@ -78,7 +78,7 @@ class _PackedConvFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
         ctx.conv = conv
         ctx.input_shape = x.shape
-        return _forward(conv, x)
+        return _forward(conv, x, backward=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -157,26 +157,45 @@ def restore(module: torch.nn.Module) -> None:
         )
 
 
-def _forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+def _forward(conv: torch.nn.Conv2d, x: torch.Tensor, backward: bool = False) -> torch.Tensor:
+    """``conv(x)`` on the forward's copy; with ``backward`` (a gradient will flow back), the input
+    gradient's copy is made here too, from the dense weight before it is freed: made in the
+    backward instead, it would be rebuilt from the forward's copy while every activation is held."""
     x = x.to(conv.weight.dtype)  # under bf16 autocast the input may come from an fp32 op (group norm)
     if not conv._pack_forward:
         return conv._conv_forward(x, conv.weight, conv.bias)
     state = _copies(conv)
     if "fwd" not in state:
-        w = conv.weight.detach().to_mkldnn()
         state["fwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
-            w, list(conv.padding), list(conv.stride), [1, 1], 1, list(x.shape)
+            conv.weight.detach().to_mkldnn(), list(conv.padding), list(conv.stride), [1, 1], 1, list(x.shape)
         )
-        if conv._pack_backward and conv.stride == (1, 1):  # else PyTorch's input gradient needs it
+        if backward and _packs_input_grad(conv):
+            out = [
+                s + 2 * p - k + 1 for s, p, k in zip(x.shape[2:], conv.padding, conv.kernel_size, strict=True)
+            ]
+            _input_grad_copy(conv, state, conv.weight.detach(), [x.shape[0], conv.out_channels, *out])
+        if _packs_input_grad(conv):  # else PyTorch's input gradient needs it
             _release(conv, state)
     return torch.ops.mkldnn._convolution_pointwise(
         x, state["fwd"], conv.bias, list(conv.padding), list(conv.stride), [1, 1], 1, "none", [], ""
     )
 
 
+def _packs_input_grad(conv: torch.nn.Conv2d) -> bool:
+    return conv._pack_backward and conv.stride == (1, 1)  # strided (the 3 downsamplers): PyTorch's path
+
+
+def _input_grad_copy(conv: torch.nn.Conv2d, state: dict, dense: torch.Tensor, grad_shape: list[int]) -> None:
+    """Lay out the weight that computes the input gradient as a convolution: transposed, flipped."""
+    pad = [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
+    # flip first: flipping the transposed view would keep its strides and need one more copy
+    flipped = dense.flip(2, 3).transpose(0, 1).contiguous().to_mkldnn()
+    state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(flipped, pad, [1, 1], [1, 1], 1, grad_shape)
+
+
 def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Size) -> torch.Tensor:
     grad = grad.to(conv.weight.dtype)
-    if conv.stride != (1, 1) or not conv._pack_backward:  # strided (the 3 downsamplers): the plain path
+    if not _packs_input_grad(conv):
         return torch.nn.grad.conv2d_input(
             input_shape, conv.weight, grad.contiguous(), conv.stride, conv.padding
         )
@@ -184,13 +203,9 @@ def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Si
     # gradients arriving here mostly are, and a plain .contiguous() would copy them there and back.
     grad = grad.contiguous(memory_format=torch.channels_last)
     state = _copies(conv)
+    if "bwd" not in state:  # its forward ran without a gradient first
+        _input_grad_copy(conv, state, _dense(conv), list(grad.shape))
     pad = [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
-    if "bwd" not in state:
-        # flip first: flipping the transposed view would keep its strides and need one more copy
-        flipped = _dense(conv).flip(2, 3).transpose(0, 1).contiguous().to_mkldnn()
-        state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
-            flipped, pad, [1, 1], [1, 1], 1, list(grad.shape)
-        )
     return torch.ops.mkldnn._convolution_pointwise(
         grad, state["bwd"], None, pad, [1, 1], [1, 1], 1, "none", [], ""
     )
@@ -206,7 +221,7 @@ class _PackedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, linear: torch.nn.Linear, dtype: torch.dtype) -> torch.Tensor:
         ctx.linear, ctx.dtype = linear, dtype
-        return _linear_forward(linear, x, dtype)
+        return _linear_forward(linear, x, dtype, backward=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -222,18 +237,29 @@ def _lay_out_linear(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows.numel() // rows.shape[-1])
 
 
+def _linear_input_grad_copy(dense: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor) -> torch.Tensor:
+    # cast before transposing: casting the transposed view would keep its strides, one copy more
+    return _lay_out_linear(dense.to(dtype).t().contiguous(), rows)
+
+
 def _compute_dtype(linear: torch.nn.Linear) -> torch.dtype:
     """What PyTorch's linear computes in here: autocast's dtype where it is on (an fp32 text encoder
     under bf16 autocast computes in bf16), else the weight's."""
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else linear.weight.dtype
 
 
-def _linear_forward(linear: torch.nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _linear_forward(
+    linear: torch.nn.Linear, x: torch.Tensor, dtype: torch.dtype, backward: bool = False
+) -> torch.Tensor:
+    """``linear(x)`` computed in ``dtype`` on the forward's copy; with ``backward``, the input
+    gradient's copy is made here too, from the dense weight (as :func:`_forward` does)."""
     x = x.to(dtype)  # e.g. under bf16 autocast the input comes from an fp32 op (layer norm)
     state = _copies(linear, dtype)
     if "fwd" not in state:
         state["fwd"] = _lay_out_linear(linear.weight.detach().to(dtype), x)
         state["bias"] = None if linear.bias is None else linear.bias.detach().to(dtype)
+        if backward:
+            state["bwd"] = _linear_input_grad_copy(linear.weight.detach(), dtype, x)
         if linear.weight.dtype == dtype:  # else the dense weight holds more than the copies
             _release(linear, state)
     return _linear_pointwise(x, state["fwd"], state["bias"])
@@ -243,9 +269,8 @@ def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor, dtype: torch
     """``grad @ weight``, as a linear layer whose weight is the transpose, laid out once."""
     grad = grad.to(dtype)
     state = _copies(linear, dtype)
-    if "bwd" not in state:
-        # cast before transposing: casting the transposed view would keep its strides, one copy more
-        state["bwd"] = _lay_out_linear(_dense(linear).to(dtype).t().contiguous(), grad)
+    if "bwd" not in state:  # its forward ran without a gradient first
+        state["bwd"] = _linear_input_grad_copy(_dense(linear), dtype, grad)
     return _linear_pointwise(grad, state["bwd"], None)
 
 
