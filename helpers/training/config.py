@@ -156,14 +156,15 @@ class TrainConfig(Settings):
     prepack_convs: bool | None = setting(
         None,
         "lay out the frozen UNet's convolution weights for oneDNN once instead of in every step: faster "
-        "steps for two more copies of those weights. Default: where the copies fit in memory; "
+        "steps for one more weight's worth of memory (two copies replace the weight). Default: as far as "
+        "the copies fit in memory; "
         "--prepack_convs: always (one line and exit 2 where memory is short); --no-prepack_convs: off",
     )
     prepack_linears: bool | None = setting(
         None,
         "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of "
-        "in every call: faster steps for two more copies of those weights. Default: where the copies "
-        "fit in memory; --prepack_linears: always (one line and exit 2 where memory is short); "
+        "in every call: faster steps for one more weight's worth of memory. Default: as far as the "
+        "copies fit in memory; --prepack_linears: always (one line and exit 2 where memory is short); "
         "--no-prepack_linears: off",
     )
     use_ipex: bool = setting(

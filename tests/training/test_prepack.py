@@ -216,6 +216,33 @@ def test_pack_unet_packs_what_fits_convolutions_first(monkeypatch):
     assert [("forward" in m.__dict__) for m in net] == [False, True]
 
 
+def test_where_a_kinds_copies_do_not_all_fit_its_layers_are_packed_as_far_as_they_go(monkeypatch):
+    """The speed-up falls with the memory instead of vanishing: the layers whose copies fit are packed."""
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Conv2d(8, 64, 3, padding=1), torch.nn.Conv2d(64, 4, 1)
+    ).requires_grad_(False)
+    sizes = [4 * m.weight.numel() for m in net]  # 1152, 18432, 1024 bytes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    room = sizes[0] + sizes[2] + 100  # the big middle one does not fit beside them
+    packed = prepack.pack_unet(net, available_bytes=int(room / prepack.MEMORY_SHARE))
+    assert (packed.convolutions, packed.bytes) == (2, sizes[0] + sizes[2])
+    assert [("forward" in m.__dict__) for m in net] == [True, False, True]
+    assert packed.reason == (
+        "convolution weights in 2 of 3 layers only: the copies need 0.0 GiB and this process's share of "
+        "free memory is 0.0 GiB (the others run at the plain speed; --no-prepack_convs silences this)"
+    )
+    x = torch.randn(1, 4, 6, 6, requires_grad=True)
+    y = net(x)
+    y.square().sum().backward()
+    for module in net:
+        prepack.unpack(module)
+    x2 = x.detach().requires_grad_()
+    net(x2).square().sum().backward()
+    assert torch.allclose(y, net(x2), rtol=1e-5, atol=1e-5) and torch.allclose(
+        x.grad, x2.grad, rtol=1e-4, atol=1e-5
+    )
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float(), b.detach().float()
     return float((a - b).norm() / b.norm())
@@ -409,7 +436,7 @@ def test_prepacking_asked_for_where_memory_is_short_is_one_line_with_the_need_an
     convs = prepack.copy_bytes(net)
     gib = 2**30
     # the convolutions fit (0.5 of 2 GiB over 2 processes: 0.5 GiB), the linear layers beside them do not
-    monkeypatch.setattr(prepack, "linear_copy_bytes", lambda *args: gib)
+    monkeypatch.setattr(prepack, "_linear_bytes", lambda *args: gib)  # the one linear layer's copies
     with pytest.raises(InputError) as err:
         prepack.pack_unet(net, available_bytes=2 * gib, linears=True, required=["convs", "linears"])
     assert str(err.value) == (

@@ -395,13 +395,21 @@ class PackResult:
         (logger.warning if self.reason else logger.info)(self.describe(), **kwargs)
 
 
+def _conv_bytes(conv: torch.nn.Conv2d) -> int:
+    return conv.weight.numel() * conv.weight.element_size()
+
+
+def _linear_bytes(linear: torch.nn.Linear, backward: bool, dtype: torch.dtype | None) -> int:
+    compute = dtype or linear.weight.dtype
+    copies = 2 if backward and compute != linear.weight.dtype else 1
+    return copies * linear.weight.numel() * compute.itemsize
+
+
 def copy_bytes(module: torch.nn.Module) -> int:
     """Bytes the copies :func:`pack_conv` makes for ``module``'s packable convolutions add to memory:
     one weight's worth per convolution, with or without a backward (two copies less the dense weight
     they free; the forward's copy alone for the strided ones, or without a backward)."""
-    return sum(
-        conv.weight.numel() * conv.weight.element_size() for conv in module.modules() if packable(conv)
-    )
+    return sum(_conv_bytes(conv) for conv in module.modules() if packable(conv))
 
 
 def linear_copy_bytes(
@@ -410,13 +418,7 @@ def linear_copy_bytes(
     """Bytes the copies :func:`pack_linear` makes for ``module``'s packable linear layers add to memory
     when they compute in ``dtype`` (default: each weight's own): one copy per layer, or two where a
     backward runs in a dtype other than the weight's (the dense weight then stays)."""
-    total = 0
-    for m in module.modules():
-        if packable_linear(m):
-            compute = dtype or m.weight.dtype
-            copies = 2 if backward and compute != m.weight.dtype else 1
-            total += copies * m.weight.numel() * compute.itemsize
-    return total
+    return sum(_linear_bytes(m, backward, dtype) for m in module.modules() if packable_linear(m))
 
 
 def pack_unet(
@@ -429,17 +431,19 @@ def pack_unet(
     required: Collection[str] = (),
 ) -> PackResult:
     """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``, with
-    those of ``text_encoder`` if given) where the copies fit.
+    those of ``text_encoder`` if given) as far as the copies fit.
 
     They fit when they take at most :data:`MEMORY_SHARE` of the memory available now, divided among
     the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
-    The convolutions come first (their copies buy the most per byte); the linear layers are packed
-    only if their copies fit beside them. The text encoder computes in the UNet's dtype (an fp32
-    text encoder under bf16 autocast beside a bf16 UNet), so its copies are made in it.
+    The convolutions come first, then the linear layers; where a kind's copies do not all fit, its
+    layers are packed in the model's order as long as each one's copies still fit, and the rest run
+    at PyTorch's speed (said in the result's ``reason``): the speed-up falls with the memory rather
+    than vanishing. The text encoder computes in the UNet's dtype (an fp32 text encoder under bf16
+    autocast beside a bf16 UNet), so its copies are made in it.
     ``backward=False`` (a UNet that only generates) keeps the forward's copies only, half the memory.
     A kind named in ``required`` (``"convs"``, ``"linears"``: its flag given explicitly) that does not
-    fit is an :class:`~helpers.core.errors.InputError` naming the need and the free memory, before
-    any packing.
+    fit whole is an :class:`~helpers.core.errors.InputError` naming the need and the free memory,
+    before any packing.
     """
     if problem := unavailable():
         return PackResult(0, 0, problem)
@@ -450,15 +454,18 @@ def pack_unet(
     share = MEMORY_SHARE * available_bytes / cpu.local_processes()
     kinds = []
     if convs:
-        need = copy_bytes(unet)
-        kinds.append(("convolution", "convs", need, [unet], lambda m: pack_conv(m, backward=backward)))
+        layers = [(m, _conv_bytes(m)) for m in unet.modules() if packable(m)]
+        kinds.append(("convolution", "convs", layers, lambda m: pack_conv(m, backward=backward)))
     if linears:
-        models = [unet] if text_encoder is None else [unet, text_encoder]
         dtype = next(unet.parameters()).dtype
-        need = sum(linear_copy_bytes(model, backward, dtype) for model in models)
-        kinds.append(("linear", "linears", need, models, pack_linear))
+        models = [unet] if text_encoder is None else [unet, text_encoder]
+        layers = [
+            (m, _linear_bytes(m, backward, dtype)) for x in models for m in x.modules() if packable_linear(m)
+        ]
+        kinds.append(("linear", "linears", layers, pack_linear))
     before = 0
-    for kind, flag, need, _, _ in kinds:
+    for kind, flag, layers, _ in kinds:
+        need = sum(size for _, size in layers)
         if flag in required and before + need > share:
             raise InputError(
                 f"--prepack_{flag}: the {kind} copies need {need / 2**30:.1f} GiB and this process's share of "
@@ -467,15 +474,19 @@ def pack_unet(
                 f"memory or run fewer processes per node, or pass --no-prepack_{flag}"
             )
         before += need
-    counts, used, skipped = {}, 0, []
-    for kind, flag, need, models, pack in kinds:
-        if used + need > share:
-            skipped.append(
-                f"{kind} weights not prepacked: the copies need {need / 2**30:.1f} GiB and this process's "
-                f"share of free memory is {(share - used) / 2**30:.1f} GiB (those layers run at the plain "
+    counts, used, short = {}, 0, []
+    for kind, flag, layers, pack in kinds:
+        room, chosen = share - used, []
+        for module, size in layers:
+            if used + size <= share:
+                chosen.append(module)
+                used += size
+        counts[kind] = sum(pack(m) for m in chosen)
+        if len(chosen) < len(layers):
+            which = f"in {len(chosen)} of {len(layers)} layers only" if chosen else "not prepacked"
+            short.append(
+                f"{kind} weights {which}: the copies need {sum(size for _, size in layers) / 2**30:.1f} GiB and "
+                f"this process's share of free memory is {room / 2**30:.1f} GiB (the others run at the plain "
                 f"speed; --no-prepack_{flag} silences this)"
             )
-            continue
-        counts[kind] = sum(pack(m) for model in models for m in model.modules())
-        used += need
-    return PackResult(counts.get("convolution", 0), used, "; ".join(skipped) or None, counts.get("linear", 0))
+    return PackResult(counts.get("convolution", 0), used, "; ".join(short) or None, counts.get("linear", 0))
