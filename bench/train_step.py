@@ -13,8 +13,8 @@ processes, one per mode: ``ours`` runs the real ``helpers.training.textual_inver
 
     .venv-ipex/bin/python -m bench.train_step --ipex --model sd15-shape --mixed_precision bf16
 
-``--memory_only`` runs the peak-RSS child processes alone (ours, ours without prepacked layers,
-the reference) and writes ``train_memory-<model>-<px>px[-bf16].json``: peak RSS is valid on a
+``--memory_only`` runs the peak-RSS child processes alone (ours; ours with only its convolutions,
+only its linear layers, or nothing prepacked; the reference) and writes ``train_memory-<model>-<px>px[-bf16].json``: peak RSS is valid on a
 loaded machine, wall-clock is not, so a loaded machine can still measure memory.
 :mod:`helpers.cluster.estimates` reads its peaks (``memory_per_process``).
 
@@ -48,8 +48,14 @@ PHASES = (
     "communication",
 )
 ONEDNN_STEPS = 3  # steps per mode under oneDNN's verbose log; per-kind medians are reported
-# Peak-RSS child processes: ours_unpacked is the engine with --no-prepack_convs --no-prepack_linears.
-MEMORY_MODES = ("ours", "ours_unpacked", "reference")
+# Peak-RSS child processes of --memory_only: the engine with these prepack flags, and the reference.
+ENGINE_MEMORY_MODES = {
+    "ours": {},
+    "ours_convs": {"prepack_linears": False},
+    "ours_linears": {"prepack_convs": False},
+    "ours_unpacked": {"prepack_convs": False, "prepack_linears": False},
+}
+MEMORY_MODES = (*ENGINE_MEMORY_MODES, "reference")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -242,23 +248,27 @@ def _memory_only(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         "model": args.model,
         "resolution": args.resolution,
         "batch": args.batch,
-        "steps": min(args.steps, 2),
+        "steps": args.steps,
         "warmup": args.warmup,
         "threads": threads,
         "mixed_precision": args.mixed_precision,
         "machine": common.machine(),
         "modes": modes,
         **common.rss_ratios(modes["ours"], modes["reference"]),
-        "note": "peak RSS only; child_seconds_per_step ran beside other work and is not a timing",
+        "note": "child_seconds_per_step: the median step of each fresh process, a timing only where "
+        "load_average shows the machine otherwise idle (peak RSS is valid either way)",
     }
     suffix = "-bf16" if args.mixed_precision == "bf16" else ""
     name = f"train_memory-{args.model}-{args.resolution}px{suffix}.json"
     out = common.results_path(name, args.out, report["machine"])
     common.write_json(out, report)
     width = 30
-    lines = [f"{'peak RSS (MiB)':{width}}{'process':>12}{'training':>12}"]
+    lines = [f"{'peak RSS (MiB)':{width}}{'process':>12}{'training':>12}{'s/step':>10}"]
     for mode, m in modes.items():
-        lines.append(f"{mode:{width}}{m['peak_rss_mib']:12.0f}{m['training_peak_rss_mib']:12.0f}")
+        lines.append(
+            f"{mode:{width}}{m['peak_rss_mib']:12.0f}{m['training_peak_rss_mib']:12.0f}"
+            f"{m['child_seconds_per_step']:10.3f}"
+        )
     print("\n".join([*lines, *common.rss_ratio_line(report), f"wrote {out}"]))
     return report
 
@@ -266,7 +276,7 @@ def _memory_only(args: argparse.Namespace, threads: int) -> dict[str, Any]:
 def _run_child(args: argparse.Namespace, mode: str, threads: int) -> dict[str, float]:
     cmd = [sys.executable, "-m", "bench.train_step", "--child", mode, "--model", args.model]
     cmd += ["--resolution", str(args.resolution), "--batch", str(args.batch), "--threads", str(threads)]
-    cmd += ["--steps", str(min(args.steps, 2)), "--warmup", str(args.warmup)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--mixed_precision", args.mixed_precision]
     proc = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
@@ -282,10 +292,7 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     """
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="bench-child-") as work:
-        if args.child in ("ours", "ours_unpacked"):
-            plain = (
-                {"prepack_convs": False, "prepack_linears": False} if args.child == "ours_unpacked" else {}
-            )
+        if args.child in ENGINE_MEMORY_MODES:
             out = common.run_engine(
                 args.model,
                 args.resolution,
@@ -293,7 +300,7 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
                 steps,
                 work,
                 mixed_precision=args.mixed_precision,
-                **plain,
+                **ENGINE_MEMORY_MODES[args.child],
             )
         else:
             setup = common.make_setup(args.model, args.resolution, args.batch, work, args.mixed_precision)
