@@ -276,6 +276,7 @@ def setup_run(config: DreamBoothConfig) -> Run:
         files = class_images.image_files(config.class_data_dir)[: config.num_class_images]
         views.append(ImageViews(files, config.resolution))
     cached = [cache_latents(vae, v) for v in views]
+    cpu.drop_module_file_pages(vae)  # not kept; loaded from a mapped file, it would stay resident
     status.beat("latents cached")
     prompt_ids = {"instance": _prompt_ids(parts.tokenizer, config.instance_prompt)}
     if config.with_prior_preservation:
@@ -284,6 +285,7 @@ def setup_run(config: DreamBoothConfig) -> Run:
     if not config.train_text_encoder:  # a frozen text encoder: each prompt is encoded once
         with torch.no_grad():
             fixed_states = {k: text_encoder(v)[0] for k, v in prompt_ids.items()}
+        cpu.drop_module_file_pages(text_encoder)  # unread until saving; its pages come back from the file
 
     pairs = DreamBoothPairs(views[0].num_views, views[1].num_views if len(views) > 1 else 0)
     lr = config.learning_rate

@@ -230,3 +230,22 @@ def test_drop_file_pages_hands_back_a_loaded_weight_and_nothing_else():
     assert resident - mapped_rss(path) >= dropped - page  # no longer resident
     assert float(weight.sum()) == total  # read again, from the file
     assert cpu.drop_file_pages(torch.ones(4 * page)) == 0  # anonymous memory: its allocator frees it
+
+
+@pytest.mark.skipif(cpu._glibc() is None, reason="madvise through glibc: Linux only")
+def test_a_frozen_model_that_did_its_part_leaves_memory_and_still_computes_the_same():
+    from diffusers import AutoencoderKL
+
+    from helpers.training import models
+
+    folder = models.tiny_pipeline_dir() / "vae"
+    vae = AutoencoderKL.from_pretrained(folder).eval()
+    (path,) = folder.glob("*.safetensors")
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = vae.encode(x).latent_dist.mean
+    resident = mapped_rss(path)
+    dropped = cpu.drop_module_file_pages(vae)
+    assert dropped > 0.8 * resident and mapped_rss(path) < 0.2 * resident
+    with torch.no_grad():
+        assert torch.equal(vae.encode(x).latent_dist.mean, before)  # its pages read again from the file

@@ -262,8 +262,7 @@ def cached_latents(
             got[i] = (mean, std, scaling)
             if root is not None:
                 write_entry(entry_path(root, keys[i]), keys[i], mean, std, scaling)
-        for tensor in [*vae.parameters(), *vae.buffers()]:
-            cpu.drop_file_pages(tensor)  # loaded from a mapped file, it would stay resident
+        cpu.drop_module_file_pages(vae)  # loaded from a mapped file, it would stay resident
         del vae  # never needed again
     if root is not None:
         logger.info(
