@@ -298,6 +298,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     if infer:
         out += ["", *_inference_table(infer)]
     for k, r in results.items():
+        if k.startswith("train_memory-"):  # bench/train_step.py --memory_only: what the copies cost
+            out += ["", *_memory_table(r)]
+    for k, r in results.items():
         if k.startswith("dreambooth-"):  # bench/dreambooth.py: DreamBooth-LoRA's step against diffusers'
             out += ["", *_dreambooth_table(r)]
     for k, r in results.items():
@@ -345,6 +348,37 @@ def _backends_table(r: dict[str, Any]) -> list[str]:
             + ", ".join(f"{n} {per[n]:.3f} s" for n in names)
             + ".",
         ]
+    return lines
+
+
+MEMORY_MODES = {
+    "ours": "ours (convolutions and linear layers prepacked: the default)",
+    "ours_convs": "ours, convolutions prepacked only",
+    "ours_linears": "ours, linear layers prepacked only",
+    "ours_unpacked": "ours, nothing prepacked",
+    "reference": "reference",
+}
+
+
+def _memory_table(r: dict[str, Any]) -> list[str]:
+    """Peak RSS of the engine with each kind of prepacked layer, and of the reference, each in a fresh process."""
+    ref = r["modes"]["reference"]
+    lines = [
+        f"Training memory ({r['model']}, {r['resolution']} px, {_precision(r)}, batch {r['batch']}; each mode "
+        f"the real run in a fresh process, {r['warmup']} + {r['steps']} steps; load average "
+        f"{r['machine']['load_average'][0]:.1f} when it ended):",
+        "",
+        "| mode | training peak RSS | of the reference's | s/step in that process | reference's s/step over it |",
+        "|---|---|---|---|---|",
+    ]
+    for name, label in MEMORY_MODES.items():
+        if m := r["modes"].get(name):
+            lines.append(
+                f"| {label} | {_gib(m['training_peak_rss_mib'])} | "
+                f"{m['training_peak_rss_mib'] / ref['training_peak_rss_mib']:.2f}x | "
+                f"{m['child_seconds_per_step']:.2f} | "
+                f"{ref['child_seconds_per_step'] / m['child_seconds_per_step']:.2f}x |"
+            )
     return lines
 
 

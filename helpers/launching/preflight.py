@@ -162,8 +162,15 @@ class PeakMemory:
     source: str  # the bench/results file it comes from (``python -m bench.train_step``)
 
 
+_XEON = "bench/results/xeon-avx512/"
+# fp32 from the 2-core Xeon, the engine as it is. bf16 from the EPYC (emulated bf16 is far too slow
+# to measure on a CPU without it), measured before the input gradient's copies were made in the
+# forward; its frozen weights are casts, not file pages, so handing pages back does not change it.
 MEASURED_MEMORY: tuple[PeakMemory, ...] = (
-    PeakMemory(256, "no", True, 12058.6, "bench/results/train_step-sd15-shape-256px.json"),
+    PeakMemory(256, "no", True, 8532.4, _XEON + "train_memory-sd15-shape-256px.json"),
+    PeakMemory(256, "no", False, 5143.9, _XEON + "train_memory-sd15-shape-256px.json"),
+    PeakMemory(512, "no", True, 9917.1, _XEON + "train_memory-sd15-shape-512px.json"),
+    PeakMemory(512, "no", False, 6497.9, _XEON + "train_memory-sd15-shape-512px.json"),
     PeakMemory(256, "bf16", True, 5887.7, "bench/results/train_step-sd15-shape-256px-bf16.json"),
 )
 # Resident weights (GiB) of the SD v1.5 shape's UNet and text encoder, counted from its modules:
@@ -178,7 +185,7 @@ def memory_per_process(resolution: int, precision: str, prepack: bool = True) ->
     at the nearest resolution; at another one, the part above the resident weights
     (:data:`RESIDENT_WEIGHTS_GIB`: activations, libraries) scaled with the pixels (stated by
     :func:`memory_basis`). Without a measurement unpacked, the prepacked one less the copies."""
-    basis, scaled_from_packed = _memory_row(precision, prepack)
+    basis, scaled_from_packed = _memory_row(resolution, precision, prepack)
     weights = RESIDENT_WEIGHTS_GIB[(basis.precision, basis.prepack)] * 2**30
     rest = basis.peak_mib * 2**20 - weights
     if scaled_from_packed:
@@ -186,17 +193,19 @@ def memory_per_process(resolution: int, precision: str, prepack: bool = True) ->
     return int(weights + rest * (resolution / basis.resolution) ** 2)
 
 
-def _memory_row(precision: str, prepack: bool) -> tuple[PeakMemory, bool]:
+def _memory_row(resolution: int, precision: str, prepack: bool) -> tuple[PeakMemory, bool]:
+    """The measured row nearest in pixels to ``resolution`` with this precision and prepacking (else
+    with the other prepacking), and whether it is the other."""
     rows = [m for m in MEASURED_MEMORY if m.precision == precision]
     if not rows:
         raise ValueError(f"precision={precision!r}: no memory measured; the rows are 'no' (fp32) and 'bf16'")
     same = [m for m in rows if m.prepack == prepack]
-    return min(same or rows, key=lambda m: m.resolution), not same
+    return min(same or rows, key=lambda m: abs(m.resolution**2 - resolution**2)), not same
 
 
 def memory_basis(resolution: int, precision: str, prepack: bool = True) -> str:
     """Where :func:`memory_per_process` takes its number from, in one sentence."""
-    basis, derived = _memory_row(precision, prepack)
+    basis, derived = _memory_row(resolution, precision, prepack)
     notes = [f"{basis.peak_mib / 1024:.1f} GiB measured at {basis.resolution} px ({basis.source})"]
     if derived:
         notes.append("less the prepacked copies (not measured unpacked)")

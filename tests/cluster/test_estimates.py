@@ -137,6 +137,13 @@ def test_memory_per_process_is_the_measured_peak_and_scales_only_what_is_not_wei
     )
     with pytest.raises(ValueError, match="precision='fp16': no memory measured"):
         estimates.memory_per_process(256, "fp16")
+    # a row measured at another resolution is taken where it is the nearest
+    wider = (*rows, estimates.PeakMemory(512, "no", True, 14336.0, "c.json"))
+    monkeypatch.setattr(preflight, "MEASURED_MEMORY", wider)
+    assert estimates.memory_per_process(512, "no") == 14 * gib
+    assert estimates.memory_per_process(384, "no") == 6 * gib + int(4 * gib * (384 / 256) ** 2)  # nearer 256
+    assert estimates.memory_per_process(768, "no") == 6 * gib + int(8 * gib * (768 / 512) ** 2)
+    assert estimates.memory_basis(768, "no").startswith("14.0 GiB measured at 512 px (c.json)")
 
 
 def test_processes_that_fit_a_node_from_its_documented_memory(monkeypatch):

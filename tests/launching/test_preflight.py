@@ -26,9 +26,9 @@ def test_launch_warns_in_one_line_when_the_processes_need_more_than_this_node_ha
     tmp_path, capsys, monkeypatch
 ):
     monkeypatch.setattr(preflight, "local_memory_bytes", lambda: 16 * GIB)
-    assert _launch(tmp_path, *SD15) == 0  # the Hub's SD v1.5 (the default model): 11.8 GiB a process
+    assert _launch(tmp_path, *SD15) == 0  # the Hub's SD v1.5 (the default model): 8.3 GiB a process
     assert capsys.readouterr().err == (
-        "warning: 2 processes per node × ~11.8 GiB each (fp32, 256 px) need 23.6 GiB; this node has 16.0 GiB"
+        "warning: 2 processes per node × ~8.3 GiB each (fp32, 256 px) need 16.7 GiB; this node has 16.0 GiB"
         " — expect swapping or an out-of-memory kill; pass --nproc_per_node 1\n"
     )
 

@@ -186,4 +186,4 @@ def test_memory_box_names_the_need_the_fit_and_the_result_file():
         f"> **Memory.** One training process needs about {need:.1f} GiB at 512 px in fp32; "
     )
     assert f"a Standard_D8_v5 node fits {fit} such process" in text
-    assert "bench/results/train_step-sd15-shape-256px.json" in text  # the figure's home, named
+    assert "bench/results/xeon-avx512/train_memory-sd15-shape-512px.json" in text  # the figure's home, named
