@@ -215,32 +215,40 @@ def _glibc():
 _MADV_DONTNEED = 4  # sys/mman.h
 
 
-def _in_file_mapping(address: int) -> bool:
-    """Whether ``address`` lies in a mapping of a file (``/proc/self/maps``), not anonymous memory."""
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges this process has mapped from files (``/proc/self/maps``)."""
+    ranges = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            start, end = (int(a, 16) for a in fields[0].split("-"))
-            if start <= address < end:
-                return fields[4] != "0" and len(fields) == 6 and fields[5].startswith("/")
-    return False
+            if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
 
 
-def drop_file_pages(tensor: torch.Tensor) -> int:
-    """Hand the kernel back the memory of ``tensor``, about to be dropped, when it is a view into a
-    memory-mapped file; return the bytes handed back (0 if none).
+def _whole_pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """The first and the end address of the whole pages inside ``tensor``'s bytes (end <= first: none)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = -(-tensor.data_ptr() // page) * page
+    return first, (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+
+
+def drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]] | None = None) -> int:
+    """Hand the kernel back the memory of ``tensor``, which the caller is about to drop; return the
+    bytes handed back (0 if none).
 
     diffusers and transformers load safetensors weights as views into one private mapping of the
     file. The mapping, with every page read so far, lives as long as the process, so dropping one
     weight frees nothing: its pages stay resident. A frozen layer that computes with its own copy
-    (:mod:`helpers.training.engine.prepack`) or a VAE freed once the latents are cached would keep
-    its whole weight resident beside what replaced it. This tells the kernel the pages are not needed
-    (``madvise(MADV_DONTNEED)``); a page of a file mapping read again later is read from the file.
+    (:mod:`helpers.training.engine.prepack`) would keep its whole weight resident beside the copy.
+    This tells the kernel the pages are not needed (``madvise(MADV_DONTNEED)``).
 
-    Only whole pages inside the tensor are handed back, only in a file mapping, and only when no
-    other tensor shares its storage (pass the tensor itself, e.g. a module's ``Parameter``, not a
-    ``.data`` or ``.detach()`` of it). Anywhere else (not Linux with glibc, anonymous memory, which
-    its allocator frees) it does nothing.
+    Only the whole pages inside the tensor, and only when no other tensor shares its storage (pass
+    the tensor itself, e.g. a module's ``Parameter``, not a ``.data`` or ``.detach()`` of it): they
+    hold nothing but its bytes, which nobody reads again. With ``mapped`` (:func:`_file_mappings`),
+    only pages inside a file mapping, which read again come back from the file: a tensor that is
+    kept stays valid (:func:`drop_module_file_pages`). Not Linux with glibc: nothing.
     """
     libc = _glibc()
     # the tensor's own reference and the one untyped_storage() makes here
@@ -250,21 +258,23 @@ def drop_file_pages(tensor: torch.Tensor) -> int:
         or torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > 2
     ):
         return 0
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = -(-tensor.data_ptr() // page) * page
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-    if end <= start or not _in_file_mapping(start):
+    first, end = _whole_pages(tensor)
+    if end <= first or (mapped is not None and not any(a <= first and end <= b for a, b in mapped)):
         return 0
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED) != 0:
         return 0
-    return end - start
+    return end - first
 
 
 def drop_module_file_pages(module: torch.nn.Module) -> int:
-    """:func:`drop_file_pages` for every parameter and buffer of ``module``, no longer read for a while
-    (a frozen model that has done its part); return the bytes handed back. Its weights stay valid:
-    read again, their pages come back from the file."""
-    return sum(drop_file_pages(t) for t in [*module.parameters(), *module.buffers()])
+    """Hand back the pages of every parameter and buffer of ``module`` that lie in a file mapping
+    (:func:`drop_file_pages`), for a frozen model that has done its part, kept or not; return the
+    bytes handed back. Its weights stay valid: read again, their pages come back from the file.
+    Weights in anonymous memory (cast, or built in memory) are left alone."""
+    if _glibc() is None:
+        return 0
+    mapped = _file_mappings()
+    return sum(drop_file_pages(t, mapped) for t in [*module.parameters(), *module.buffers()])
 
 
 @contextmanager

@@ -208,7 +208,7 @@ def test_importing_helpers_asks_mkl_for_reproducible_results_and_keeps_a_users_c
 
 
 @pytest.mark.skipif(cpu._glibc() is None, reason="madvise through glibc: Linux only")
-def test_drop_file_pages_hands_back_a_loaded_weight_and_nothing_else():
+def test_drop_file_pages_hands_back_a_loaded_weight_unless_another_tensor_shares_it():
     from diffusers import UNet2DConditionModel
 
     from helpers.training import models
@@ -229,7 +229,10 @@ def test_drop_file_pages_hands_back_a_loaded_weight_and_nothing_else():
     assert size - 2 * page <= dropped <= size
     assert resident - mapped_rss(path) >= dropped - page  # no longer resident
     assert float(weight.sum()) == total  # read again, from the file
-    assert cpu.drop_file_pages(torch.ones(4 * page)) == 0  # anonymous memory: its allocator frees it
+    assert cpu.drop_file_pages(weight, cpu._file_mappings()) == dropped  # it lies in the file's mapping
+    doomed = torch.ones(4 * page)  # anonymous memory, about to be dropped: handed back too
+    assert cpu.drop_file_pages(doomed, cpu._file_mappings()) == 0  # unless only file pages are asked for
+    assert cpu.drop_file_pages(doomed) >= 15 * page  # 16 pages of floats, less a partial one at each end
 
 
 @pytest.mark.skipif(cpu._glibc() is None, reason="madvise through glibc: Linux only")
@@ -249,3 +252,6 @@ def test_a_frozen_model_that_did_its_part_leaves_memory_and_still_computes_the_s
     assert dropped > 0.8 * resident and mapped_rss(path) < 0.2 * resident
     with torch.no_grad():
         assert torch.equal(vae.encode(x).latent_dist.mean, before)  # its pages read again from the file
+    built = torch.nn.Linear(1024, 1024)  # weights in anonymous memory: left alone, still valid
+    weight = built.weight.detach().clone()
+    assert cpu.drop_module_file_pages(built) == 0 and torch.equal(built.weight, weight)
