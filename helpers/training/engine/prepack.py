@@ -185,12 +185,18 @@ def _packs_input_grad(conv: torch.nn.Conv2d) -> bool:
     return conv._pack_backward and conv.stride == (1, 1)  # strided (the 3 downsamplers): PyTorch's path
 
 
+def _input_grad_padding(conv: torch.nn.Conv2d) -> list[int]:
+    """The padding of the convolution that computes ``conv``'s input gradient (stride 1)."""
+    return [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
+
+
 def _input_grad_copy(conv: torch.nn.Conv2d, state: dict, dense: torch.Tensor, grad_shape: list[int]) -> None:
     """Lay out the weight that computes the input gradient as a convolution: transposed, flipped."""
-    pad = [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
     # flip first: flipping the transposed view would keep its strides and need one more copy
     flipped = dense.flip(2, 3).transpose(0, 1).contiguous().to_mkldnn()
-    state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(flipped, pad, [1, 1], [1, 1], 1, grad_shape)
+    state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
+        flipped, _input_grad_padding(conv), [1, 1], [1, 1], 1, grad_shape
+    )
 
 
 def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Size) -> torch.Tensor:
@@ -205,9 +211,8 @@ def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Si
     state = _copies(conv)
     if "bwd" not in state:  # its forward ran without a gradient first
         _input_grad_copy(conv, state, _dense(conv), list(grad.shape))
-    pad = [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
     return torch.ops.mkldnn._convolution_pointwise(
-        grad, state["bwd"], None, pad, [1, 1], [1, 1], 1, "none", [], ""
+        grad, state["bwd"], None, _input_grad_padding(conv), [1, 1], [1, 1], 1, "none", [], ""
     )
 
 
@@ -463,9 +468,9 @@ def pack_unet(
             (m, _linear_bytes(m, backward, dtype)) for x in models for m in x.modules() if packable_linear(m)
         ]
         kinds.append(("linear", "linears", layers, pack_linear))
+    needs = [sum(size for _, size in layers) for _, _, layers, _ in kinds]
     before = 0
-    for kind, flag, layers, _ in kinds:
-        need = sum(size for _, size in layers)
+    for (kind, flag, _, _), need in zip(kinds, needs, strict=True):
         if flag in required and before + need > share:
             raise InputError(
                 f"--prepack_{flag}: the {kind} copies need {need / 2**30:.1f} GiB and this process's share of "
@@ -475,7 +480,7 @@ def pack_unet(
             )
         before += need
     counts, used, short = {}, 0, []
-    for kind, flag, layers, pack in kinds:
+    for (kind, flag, layers, pack), need in zip(kinds, needs, strict=True):
         room, chosen = share - used, []
         for module, size in layers:
             if used + size <= share:
@@ -485,7 +490,7 @@ def pack_unet(
         if len(chosen) < len(layers):
             which = f"in {len(chosen)} of {len(layers)} layers only" if chosen else "not prepacked"
             short.append(
-                f"{kind} weights {which}: the copies need {sum(size for _, size in layers) / 2**30:.1f} GiB and "
+                f"{kind} weights {which}: the copies need {need / 2**30:.1f} GiB and "
                 f"this process's share of free memory is {room / 2**30:.1f} GiB (the others run at the plain "
                 f"speed; --no-prepack_{flag} silences this)"
             )
