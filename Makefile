@@ -68,11 +68,13 @@ handouts: demo system-packages
 	$(PY) -m helpers.workshop.handouts build --pdf
 
 # --durations: the slowest tests, so a CI log shows where its time goes (CI's limit is 90 min).
+# -n 2 --dist loadscope: two workers, a module's tests on one (its module fixtures are computed once);
+# the notebooks run once for both workers (tests/conftest.py's notebook_records).
 test: setup system-packages
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=30
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not notebooks"
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not slow and not notebooks"
 
 # The IPEX path, really run (tests/test_ipex.py); WORKSHOP_REQUIRE_IPEX turns "not installed" into a failure.
 test-ipex: setup-ipex

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from helpers.core.files import write_text_atomic
 from helpers.training import data, models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import TrainConfig
-from helpers.training.engine import attention, prepack
+from helpers.training.engine import attention, events, prepack
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -144,8 +144,15 @@ def peak_rss_since_reset_mib() -> float:
     return _vm_hwm_mib()
 
 
-def gemm_gflops(n: int = 2048, repeats: int = 6, dtype: torch.dtype = torch.float32) -> float:
-    """This machine's matrix-multiply speed (GFLOP/s) in ``dtype`` at the current thread setting: best of ``repeats``."""
+def gemm_gflops(n: int | None = None, repeats: int = 6, dtype: torch.dtype = torch.float32) -> float:
+    """This machine's matrix-multiply speed (GFLOP/s) in ``dtype`` at the current thread setting: best of ``repeats``.
+
+    ``n`` defaults to 2048, or 512 for bf16 on a CPU that emulates it (measured on an AVX2-only EPYC:
+    about 1.3 GFLOP/s at both sizes, so a 2048 product took 13 s and a bf16 benchmark, which measures
+    the peak between its steps, 18 minutes of GEMMs).
+    """
+    if n is None:
+        n = 512 if dtype == torch.bfloat16 and not cpu.has_native_bf16() else 2048
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     out = torch.empty(n, n, dtype=dtype)
     torch.mm(a, b, out=out)
@@ -630,23 +637,21 @@ def run_engine(
         # encode as every run did before the latent cache, so that the VAE is loaded (and the mark reset)
         **{"latent_cache": False, **overrides},
     )
-    load_vae = models.load_frozen_vae
 
-    def load_then_reset(*args: Any, **kwargs: Any):
-        vae = load_vae(*args, **kwargs)
-        reset_peak_rss()
-        return vae
+    def reset_once_loaded(event: events.Event) -> None:
+        if isinstance(event, events.WeightsLoaded):
+            reset_peak_rss()
 
-    # setup_run loads the VAE right after the other weights, to encode the views
-    models.load_frozen_vae = load_then_reset
-    keep_freed_memory = cpu.keep_freed_memory
-    if not malloc_tuning:
-        cpu.keep_freed_memory = lambda: nullcontext(False)
+    before = os.environ.get(cpu.MALLOC_DEFAULTS_ENV)
+    os.environ[cpu.MALLOC_DEFAULTS_ENV] = "0" if malloc_tuning else "1"
     try:
-        history = ti.train(config).history
+        with events.listening(reset_once_loaded):  # the engine publishes it once the VAE is in
+            history = ti.train(config).history
     finally:
-        models.load_frozen_vae = load_vae
-        cpu.keep_freed_memory = keep_freed_memory
+        if before is None:
+            os.environ.pop(cpu.MALLOC_DEFAULTS_ENV)
+        else:
+            os.environ[cpu.MALLOC_DEFAULTS_ENV] = before
     return {
         "seconds_per_step": summarize([h["seconds"] for h in history[1:] or history])["median"],
         "peak_rss_mib": peak_rss_mib(),

@@ -43,8 +43,7 @@ from helpers.core import cpu
 from helpers.dreambooth import class_images, training
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import ImageViews
-from helpers.training import models
-from helpers.training.engine import prepack
+from helpers.training.engine import events, prepack
 
 CLASS_PROMPT, INSTANCE_PROMPT = "a photo of a toy", "a photo of sks toy"
 
@@ -131,8 +130,8 @@ class ReferenceStep:
             noise = torch.randn_like(latents)
             timesteps = torch.randint(0, run.noise_scheduler.config.num_train_timesteps, (latents.shape[0],))
             noisy = run.noise_scheduler.add_noise(latents, noise, timesteps)
-            ids = torch.cat([run.prompt_ids["instance"].expand(len(batch["index"]), -1),
-                             run.prompt_ids["class"].expand(len(batch["index"]), -1)])  # fmt: skip
+            ids = torch.cat([run.prompt_ids["instance"][0].expand(len(batch["index"]), -1),
+                             run.prompt_ids["class"][0].expand(len(batch["index"]), -1)])  # fmt: skip
             states = run.text_encoder(ids)[0]
             pred = run.unet(noisy, timesteps, states).sample
         pred, pred_prior = torch.chunk(pred, 2, dim=0)
@@ -185,7 +184,7 @@ def _timed(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, float]]],
         def ours(step: int) -> dict[str, float]:
             marks.clear()
             marks["start"] = time.perf_counter()
-            training.training_step(run, feed[step], epoch=0)
+            training.training_step(run, [feed[step]], epoch=0, step=step + 1)
             marks["end"] = time.perf_counter()
             return _phases(marks)
 
@@ -318,15 +317,13 @@ def _child(args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-dreambooth-child-") as work:
         config = make_config(args, Path(work), steps)
         if args.child == "ours":
-            original = models.load_components
 
-            def load_then_reset(*a, **k):
-                parts = original(*a, **k)
-                common.reset_peak_rss()
-                return parts
+            def reset_once_loaded(event: events.Event) -> None:
+                if isinstance(event, events.WeightsLoaded):
+                    common.reset_peak_rss()
 
-            models.load_components = load_then_reset
-            result = training.train(config)
+            with events.listening(reset_once_loaded):  # the trainer publishes it once the weights are in
+                result = training.train(config)
             seconds = [h["seconds"] for h in result.history][args.warmup :]
         else:
             run = training.setup_run(config)

@@ -14,13 +14,17 @@ job's exit code. The hostfile and accelerate configs go to ``<output_dir>/launch
 and under torchrun each node's rank logs to ``<work_dir>/torchrun/``.
 
 Supervision to the end: every rank of ``helpers.train`` reports to ``<work_dir>/status``
-(:mod:`helpers.launching.supervise`), so this sees each rank exit even under mpirun. Once one rank has
-exited (success or failure), the others get ``--exit_grace_seconds`` (60) to end; a rank alive
-without progress for ``--stall_seconds`` (900) is stalled. Either way this stops the whole job
-(TERM, then KILL: the launchers' process trees here, the ranks on other hosts over ssh) and
-prints one message: the ranks that did not end, their last lines, and whether the outputs are
-complete (``run_summary.json`` written); the exit code is 0 only if they are. A rank that fails
-is named with its error, e.g. ``rank 1 failed: RuntimeError: ...``.
+(:mod:`helpers.launching.supervise`), so this sees each rank exit even under mpirun. A rank that
+fails (exits without reporting success, killed outright included) stops the whole job at once, in
+one line naming the rank and the cause, e.g. ``rank 1 failed after 12.3 s: killed by SIGKILL, for
+example by the out-of-memory killer``; the ranks' tracebacks go to ``<work_dir>/job.log`` (named in
+that line), not to the screen. Once one rank has exited successfully, the others get
+``--exit_grace_seconds`` (60) to end; a rank alive without progress for ``--stall_seconds`` (900)
+is stalled. Either way this stops the whole job (TERM, then KILL: the launchers' process trees
+here, the ranks on other hosts over ssh) and prints one message: the ranks that did not end, their
+last lines, and whether the outputs are complete (``run_summary.json`` written); the exit code is
+0 only if they are. On one machine the rendezvous port is a free one (two jobs side by side both
+run); a given ``--main_process_port`` in use is one ``error:`` line before any rank starts.
 
 The ranks' process group is ``--backend`` (``auto``: ``ccl``, the workshop's oneCCL backend, where
 ``make setup`` built it and it loads, else ``gloo``; :mod:`helpers.ranks.backend`); ``--backend ccl``
@@ -40,15 +44,17 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 
 from helpers.core import errors
 from helpers.core.errors import DistributedError
-from helpers.launching import commands, ray_train
+from helpers.launching import commands, preflight, ray_train
 from helpers.launching.job import TRAIN_MODULES, check_seconds, prepare_job, run_job
 from helpers.launching.layout import DEFAULT_PORT, ClusterLayout, parse_hostfile, physical_cores
 from helpers.ranks.backend import BACKENDS
+from helpers.training.engine import checkpoints
 
 LAUNCHERS = (*commands.LAUNCHERS, "ray")
 
@@ -58,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     own, train_args = argv[:split], argv[split + 1 :]
-    parser = argparse.ArgumentParser(
+    parser = errors.ArgumentParser(
         prog="python -m helpers.launch",
         description="Run helpers.train on several processes or machines (mpirun, torchrun or Ray Train).",
         epilog="Everything after -- goes to helpers.train, e.g. -- --pretrained_model_name_or_path tiny ...",
@@ -74,7 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--hostfile", help="one host per line; the first is the head node (default: this machine)"
     )
     parser.add_argument("--main_process_ip", help="address of rank 0 (default: the first host)")
-    parser.add_argument("--main_process_port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--main_process_port", type=int, default=None,
+                        help=f"rendezvous port, checked free before any rank starts (default: a free one on one "
+                             f"machine, {DEFAULT_PORT} across machines)")  # fmt: skip
     parser.add_argument(
         "--network_interface", help="NIC between the nodes, e.g. eth0 (default: let MPI choose)"
     )
@@ -87,7 +95,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work_dir", default=None,
                         help="where the hostfile, accelerate configs and rank status go (default: <output_dir>/launch)")  # fmt: skip
     parser.add_argument("--exit_grace_seconds", type=float, default=60.0,
-                        help="once a rank has exited, seconds the others get to end before the job is stopped")  # fmt: skip
+                        help="once a rank has exited successfully, seconds the others get to end before the job is "
+                             "stopped (a failed rank stops the job at once)")  # fmt: skip
     parser.add_argument("--stall_seconds", type=float, default=900.0,
                         help="stop the job when a rank makes no progress (no step) for this long")  # fmt: skip
     parser.add_argument("--dry_run", action="store_true",
@@ -189,6 +198,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_args(args)
         layout = layout_from_args(args)
+        if args.launcher != "ray" and not args.dry_run:  # Ray picks its own ports
+            preflight.check_port(layout)
         commands = prepare_job(layout, args.train_args, args.launcher, work_dir=args.work_dir, mpirun=args.mpirun,
                                num_nodes=args.num_nodes or 1, ray_address=args.ray_address, module=args.module,
                                backend=args.backend)  # fmt: skip
@@ -206,8 +217,12 @@ def main(args: argparse.Namespace) -> int:
             commands, exit_grace_seconds=args.exit_grace_seconds, stall_seconds=args.stall_seconds
         )
     except KeyboardInterrupt as stop:  # Ctrl-C, TERM or HUP: run_job has stopped every rank
-        print(f"error: interrupted ({stop or 'Ctrl-C'}); every rank was stopped. The run is not finished: "
-              "run the same command with --resume_from_checkpoint latest to go on from its last checkpoint",
+        go_on = (
+            "run the same command with --resume_from_checkpoint latest to go on from its last checkpoint"
+            if checkpoints.list_checkpoints(Path(commands[0].output_dir))
+            else "no checkpoint was written yet, so it must start over: run the same command again"
+        )
+        print(f"error: interrupted ({stop or 'Ctrl-C'}); every rank was stopped. The run is not finished: {go_on}",
               file=sys.stderr)  # fmt: skip
         return 130
     if not result.ok or result.supervision:  # one message; a warning when the outputs are complete

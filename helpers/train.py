@@ -18,7 +18,7 @@ import logging
 from helpers.core.errors import exit_with, run_training_cli
 from helpers.ranks import faults, status
 from helpers.training.config import TrainConfig, parse_args
-from helpers.training.engine.checkpoints import INTERRUPTED, INTERRUPTED_EXIT
+from helpers.training.engine.checkpoints import INTERRUPTED_EXIT, interrupted_line
 from helpers.training.models import HubUnavailableError
 from helpers.training.textual_inversion import TrainResult, train
 
@@ -37,7 +37,14 @@ def cli(argv: list[str] | None = None) -> int:
     """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.core.errors.run_training_cli`."""
     # status.start: under helpers.launch, this rank's lock and status until the process is gone
     return run_training_cli(
-        main, parse_args, argv, status.start, INTERRUPTED, INTERRUPTED_EXIT, also=(HubUnavailableError,)
+        main,
+        parse_args,
+        argv,
+        status.start,
+        lambda config: interrupted_line(config.output_dir),  # resume, or start over (no checkpoint)
+        INTERRUPTED_EXIT,
+        also=(HubUnavailableError,),
+        done=status.done,
     )
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+
+from helpers.core import cpu
 
 # Tests never reach the network: the Hub is offline here and az must not phone home.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,27 +49,108 @@ def fake_ssh(tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def notebook_run_dir(tmp_path_factory) -> Path:
-    """The one folder all notebooks run in, in order, so 05 finds what 02 trained."""
-    return tmp_path_factory.mktemp("notebooks")
+    """The one folder all notebooks run in, in order, so 05 finds what 02 trained. Under two test
+    workers it is shared by both (their temporary roots' parent), so each notebook runs once."""
+    root = tmp_path_factory.getbasetemp()
+    folder = (root.parent if "PYTEST_XDIST_WORKER" in os.environ else root) / "notebooks"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")
 def notebook_records(notebook_run_dir):
-    """``notebook_records(stem)`` runs the notebooks in order up to ``stem`` (once each) on the
-    tiny profile and returns that notebook's records."""
+    """``notebook_records(stem)`` runs the notebooks in order up to ``stem`` (once each, whichever
+    worker asks first; the other waits for it) on the tiny profile and returns that notebook's records."""
+    from filelock import FileLock
+
     from helpers.workshop import notebooks
 
-    done: dict[str, dict] = {}
-
     def run_up_to(stem: str) -> dict:
-        for nb in notebooks.notebook_paths():
-            if nb.stem not in done:
-                out = notebook_run_dir / nb.name
-                done[nb.stem] = notebooks.run_notebook(
-                    nb, out, notebooks.tiny_profile(nb), cwd=notebook_run_dir
-                )
-            if nb.stem == stem:
-                return done[stem]
+        with FileLock(notebook_run_dir / "running.lock"):
+            for nb in notebooks.notebook_paths():
+                out, failed = notebook_run_dir / nb.name, notebook_run_dir / f"{nb.stem}.failed"
+                if failed.exists():  # the other worker ran it: the same failure, without running it again
+                    raise notebooks.NotebookError(failed.read_text())
+                if not out.exists():  # run_notebook writes it atomically once every cell has run
+                    try:
+                        notebooks.run_notebook(nb, out, notebooks.tiny_profile(nb), cwd=notebook_run_dir)
+                    except Exception as error:
+                        failed.write_text(
+                            str(error) if isinstance(error, notebooks.NotebookError) else repr(error)
+                        )
+                        raise
+                if nb.stem == stem:
+                    return notebooks.read_records(out)
         raise KeyError(f"no notebook named {stem!r} in {notebooks.NOTEBOOK_DIR}")
 
     return run_up_to
+
+
+# --- two workers (`make test` runs pytest-xdist with --dist loadscope: a module's tests on one worker) ----
+# Every process a test starts (Ray's daemons and workers included) inherits this worker's name, so a
+# test counting "Ray processes left" sees its own worker's only; Ray's folders go to the worker's own root.
+WORKER = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}"
+os.environ["WORKSHOP_TEST_WORKER"] = WORKER
+os.environ["RAY_TMPDIR"] = f"/tmp/r{os.environ.get('PYTEST_XDIST_WORKER', '')}"  # short: Ray's socket paths
+Path(os.environ["RAY_TMPDIR"]).mkdir(exist_ok=True)
+# Each worker computes on its share of the cores, and so does every process it starts (they inherit
+# OMP_NUM_THREADS; helpers' runs read it through cpu.set_threads). Oversubscribed, OpenMP's threads wait
+# for each other at every operator: measured on a 2-core machine beside a busy 2-thread process, eight
+# toy-world pictures took 60 s on 2 threads and 2.3 s on 1. Launchers still give their ranks their own
+# OMP_NUM_THREADS (ClusterLayout.threads_per_process).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _share = cpu.physical_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+# --- where the suite's time goes (make test prints it; CI keeps it in its log) ------------------------
+_MODULE_SECONDS: dict[str, float] = {}
+_MODULE_SUBPROCESSES: dict[str, int] = {}
+_started = [0]  # processes started in this worker since its last report
+_popen_init = subprocess.Popen.__init__
+
+
+def _counting_popen_init(self, *args, **kwargs):
+    """Count every process a test starts directly (a fresh interpreter costs seconds each)."""
+    _started[0] += 1
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _counting_popen_init
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the processes it started (xdist sends it from worker to controller)."""
+    outcome = yield
+    outcome.get_result().user_properties.append(("processes", _started[0]))
+    _started[0] = 0
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    started = sum(n for k, n in report.user_properties if k == "processes")
+    _MODULE_SUBPROCESSES[module] = _MODULE_SUBPROCESSES.get(module, 0) + started
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds and processes started per test module, most first; also written to
+    ``build/test-times.json`` for the next maintainer (which modules to make cheaper)."""
+    if not _MODULE_SECONDS or hasattr(terminalreporter.config, "workerinput"):  # the controller writes it
+        return
+    rows = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.section("seconds and processes started per test module")
+    for module, seconds in rows:
+        terminalreporter.write_line(
+            f"{seconds:8.1f} s {_MODULE_SUBPROCESSES.get(module, 0):5d} processes  {module}"
+        )
+    path = Path(__file__).resolve().parents[1] / "build" / "test-times.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(
+        json.dumps(
+            {m: {"seconds": round(s, 1), "processes": _MODULE_SUBPROCESSES.get(m, 0)} for m, s in rows},
+            indent=1,
+        )
+    )

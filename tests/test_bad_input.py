@@ -70,7 +70,8 @@ class Case:
     ``unreadable`` names one of them that this user cannot read; ``unwritable`` one folder it
     cannot write (both simulated when the tests run as root, who is never refused).
     ``ccl_not_built``: as where ``make setup`` did not build the ccl extension (its build folder
-    an empty one, nothing loaded yet)."""
+    an empty one, nothing loaded yet). ``links`` maps a path under ``{tmp}`` to what the symbolic
+    link planted there points at (also under ``{tmp}``)."""
 
     id: str
     cli: str
@@ -80,8 +81,10 @@ class Case:
     unreadable: str | None = None
     unwritable: str | None = None
     ccl_not_built: bool = False
+    links: dict[str, str] = field(default_factory=dict)
 
 
+PRECIOUS = {"victim.txt": "precious", "out": None}  # a file a planted link points at, and the run's folder
 CASES = [
     # --- helpers.train: issue 13's raw tracebacks ---------------------------------------------------
     Case("output_dir is a file", "train", ["--train_data_dir", SAMPLE, "--output_dir", "{tmp}/out"],
@@ -197,6 +200,62 @@ CASES = [
     Case("dreambooth: resume without a checkpoint", "dreambooth", [*DREAM, "--resume_from_checkpoint", "latest"],
          "resume_from_checkpoint='latest' but {tmp}/out/checkpoints holds no checkpoint",
          files={"out/dreambooth_config.yaml": DREAM_RUN}),
+    # --- sizes and folders that slipped through (issue 48) ---------------------------------------------
+    Case("resolution 100000", "train", [*TRAIN, "--resolution", "100000"],
+         "resolution='100000': must be greater than 0 and at most 2048"),
+    Case("dreambooth: resolution 100000", "dreambooth", [*DREAM, "--resolution", "100000"],
+         "resolution='100000': must be greater than 0 and at most 2048"),
+    Case("generate at resolution 100000", "inference", [*INFER, "--resolution", "100000"],
+         "--resolution 100000: at most 2048 (Stable Diffusion models are trained at 512 to 1024 px)"),
+    # --- a model of a family neither trainer can train (issue 46): one line naming the two they can ---
+    Case("model of an unsupported family", "train",
+         [*TRAIN, "--resolution", "64", "--pretrained_model_name_or_path", "{tmp}/flux"],
+         "model {tmp}/flux is a FluxPipeline, which this package cannot train: the supported families are "
+         "Stable Diffusion v1/v2 (StableDiffusionPipeline) and Stable Diffusion XL (StableDiffusionXLPipeline)",
+         files={"flux/model_index.json": '{"_class_name": "FluxPipeline"}'}),
+    Case("dreambooth: model of an unsupported family", "dreambooth",
+         [*DREAM, "--pretrained_model_name_or_path", "{tmp}/sd3"],
+         "model {tmp}/sd3 is a StableDiffusion3Pipeline, which this package cannot train: the supported "
+         "families are Stable Diffusion v1/v2", files={"sd3/model_index.json": '{"_class_name": "StableDiffusion3Pipeline"}'}),
+    Case("batch above the views", "train", [*TRAIN, "--train_batch_size", "100000"],
+         "train_batch_size=100000: more than the 500 views there are to fill a batch with (5 pictures x repeats "
+         "100). Fix: --train_batch_size 500 or less."),
+    Case("batch above the views with 2 repeats", "train", [*TRAIN, "--repeats", "2", "--train_batch_size", "11"],
+         "train_batch_size=11: more than the 10 views there are to fill a batch with (5 pictures x repeats 2)"),
+    Case("dreambooth: batch above the pictures", "dreambooth", [*DREAM, "--train_batch_size", "6"],
+         "train_batch_size=6: more than the 5 views there are to fill a batch with (5 subject pictures). "
+         "Fix: --train_batch_size 5 or less."),
+    Case("concept folder of 1001 files", "train", ["--train_data_dir", "{tmp}/photos", "--output_dir", "{tmp}/out"],
+         "photos: holds 1,001 entries, more than the 1,000 a concept folder may hold",
+         files={f"photos/{i:04}.png": b"" for i in range(1001)}),
+    Case("dreambooth: concept folder of 1001 files", "dreambooth", [*DREAM[:3], "{tmp}/photos", *DREAM[4:]],
+         "photos: holds 1,001 entries, more than the 1,000 a concept folder may hold",
+         files={f"photos/{i:04}.png": b"" for i in range(1001)}),
+    Case("logging_dir a file", "train", [*TRAIN, "--logging_dir", "{tmp}/notes.txt"],
+         "logging_dir {tmp}/notes.txt is a file: TensorBoard writes a folder there", files={"notes.txt": "x"}),
+    Case("logging_dir under a file", "train", [*TRAIN, "--logging_dir", "notes.txt/tb"],
+         "logging_dir {tmp}/out/notes.txt/tb lies under {tmp}/out/notes.txt, which is a file",
+         files={"out/notes.txt": "x"}),
+    Case("logging_dir not writable", "train", [*TRAIN, "--logging_dir", "{tmp}/ro/tb"],
+         "logging_dir {tmp}/ro/tb: {tmp}/ro is not writable", files={"ro": None}, unwritable="ro"),
+    Case("dreambooth: logging_dir a file", "dreambooth", [*DREAM, "--logging_dir", "{tmp}/notes.txt"],
+         "logging_dir {tmp}/notes.txt is a file", files={"notes.txt": "x"}),
+    # --- planted links: a run never writes through one (issue 48) -------------------------------------
+    Case("lock file a link", "train", TRAIN, "output_dir {tmp}/out: .output_dir.lock is a symbolic link (to "
+         "{tmp}/victim.txt), where a run keeps its lock", files=PRECIOUS, links={"out/.output_dir.lock": "victim.txt"}),
+    Case("lock file a folder", "train", TRAIN, "output_dir {tmp}/out: .output_dir.lock is a folder",
+         files={"out/.output_dir.lock": None}),
+    Case("settings file a link", "train", TRAIN, "output_dir {tmp}/out: train_config.yaml is a symbolic link (to "
+         "{tmp}/victim.txt); a run writes its own files and never through a link", files=PRECIOUS,
+         links={"out/train_config.yaml": "victim.txt"}),
+    Case("dreambooth: lock file a link", "dreambooth", DREAM, "output_dir {tmp}/out: .output_dir.lock is a symbolic "
+         "link (to {tmp}/victim.txt)", files=PRECIOUS, links={"out/.output_dir.lock": "victim.txt"}),
+    Case("dreambooth: LoRA weights a link", "dreambooth", DREAM, "output_dir {tmp}/out: "
+         "pytorch_lora_weights.safetensors is a symbolic link (to {tmp}/victim.txt)", files=PRECIOUS,
+         links={"out/pytorch_lora_weights.safetensors": "victim.txt"}),
+    Case("dreambooth: checkpoints a link", "dreambooth", DREAM, "output_dir {tmp}/out: checkpoints is a symbolic "
+         "link (to {tmp}/elsewhere)", files={"elsewhere/keep.txt": "x", "out": None},
+         links={"out/checkpoints": "elsewhere"}),
     # --- helpers.launch passes the training flags through the same checks -----------------------------
     Case("launch: nproc_per_node 0", "launch", ["--nproc_per_node", "0", *LAUNCH, "--", *TRAIN],
          "--nproc_per_node 0: must be at least 1"),
@@ -204,6 +263,22 @@ CASES = [
          "--threads_per_process 0: must be at least 1"),
     Case("launch: adam_beta1 1.5", "launch", ["--launcher", "torchrun", "--dry_run", "--", *TRAIN, "--adam_beta1",
          "1.5"], "adam_beta1='1.5': must be at least 0 and less than 1"),
+    # --- argparse's usage errors: one line naming --help, not the whole usage ------------------------
+    Case("launch: -- with nothing after it", "launch", [*LAUNCH, "--"],
+         "error: no training flags: add -- and the helpers.train flags, e.g. -- --train_data_dir DIR (see "
+         "python -m helpers.launch --help)"),
+    Case("launch: --backend nccl", "launch", ["--backend", "nccl", *LAUNCH, "--", *TRAIN],
+         "error: argument --backend: invalid choice: 'nccl' (choose from 'auto', 'gloo', 'ccl') (see python -m "
+         "helpers.launch --help)"),
+    Case("train: a flag it does not have", "train", [*TRAIN, "--bogus"],
+         "error: unrecognized arguments: --bogus (see python -m helpers.train --help)"),
+    Case("dreambooth: a flag it does not have", "dreambooth", [*DREAM, "--bogus"],
+         "error: unrecognized arguments: --bogus (see python -m helpers.dreambooth --help)"),
+    Case("inference: no sub-command", "inference", ["bogus"],
+         "error: argument command: invalid choice: 'bogus'"),
+    Case("toyworld: no such sub-command", "toyworld", ["bogus"],
+         "error: argument command: invalid choice: 'bogus' (choose from 'build', 'score', 'render-sample') (see "
+         "python -m helpers.toyworld --help)"),
     Case("launch: --backend ccl not built", "launch", ["--backend", "ccl", "--dry_run", "--", *TRAIN],
          "--backend ccl: the ccl extension is not built for this torch and oneCCL: run `make setup` "
          "(or use --backend gloo)", ccl_not_built=True),
@@ -267,6 +342,12 @@ CASES = [
          files={"cluster.yaml": "ssh_source_cidr: '::ffff:0.0.0.0/97'\n"}),
     Case("ssh from all of IPv4, IPv4-mapped", "azure", ["plan", "--config", "{tmp}/cluster.yaml"],
          "this opens SSH to the whole internet", files={"cluster.yaml": "ssh_source_cidr: '::ffff:0:0/96'\n"}),
+    Case("vm_size unknown and unpriced", "azure", ["plan", "--config", "{tmp}/cluster.yaml"],
+         "vm_size='Standard_Bogus_v9': no price in helpers.cluster.prices",
+         files={"cluster.yaml": f"ssh_source_cidr: {CIDR}\nvm_size: Standard_Bogus_v9\n"}),
+    Case("location unknown", "azure", ["plan", "--config", "{tmp}/cluster.yaml"],
+         "location='marsnorth': not an Azure region known here (nearest names: uaenorth, germanynorth, italynorth)",
+         files={"cluster.yaml": f"ssh_source_cidr: {CIDR}\nlocation: marsnorth\n"}),
     Case("cost for -5 hours", "azure", ["plan", "--config", "{tmp}/cluster.yaml", "--hours", "-5"],
          "hours=-5: must be a positive number of hours", files={"cluster.yaml": f"ssh_source_cidr: {CIDR}\n"}),
     Case("cost at a NaN price", "azure", ["plan", "--config", "{tmp}/cluster.yaml", "--vm-price-per-hour", "nan"],
@@ -309,6 +390,33 @@ CASES = [
 ]  # fmt: skip
 
 
+def _finished_run(config_file: str, learning_rate: str = "") -> dict:
+    """A run that finished at step 8 whose last kept checkpoint is checkpoint-4, as each method names
+    its settings file (nothing is loaded before the checks refuse)."""
+    run = f"max_train_steps: 8\n{learning_rate}"
+    return {f"out/{config_file}": run, "out/run_summary.json": '{"steps": 8}',
+            f"out/checkpoints/checkpoint-4/{config_file}": run,
+            "out/checkpoints/checkpoint-4/random_states_0.pkl": b"x"}  # fmt: skip
+
+
+# The resume checks are the run loop's: the same cases for both methods.
+CASES += [
+    case
+    for cli, base, config_file in (("train", TRAIN, "train_config.yaml"), ("dreambooth", DREAM, "dreambooth_config.yaml"))
+    for case in (
+        Case(f"{cli}: resume a finished run backwards", cli, [*base, "--resume_from_checkpoint", "latest",
+             "--max_train_steps", "6"], "output_dir {tmp}/out holds a run that finished at step 8; resuming it "
+             "with max_train_steps=6 would replace that result by an earlier step's. Fix: pass --max_train_steps 8 "
+             "or more to continue it, or choose another output_dir.", files=_finished_run(config_file)),
+        Case(f"{cli}: resume with another learning rate", cli, [*base, "--resume_from_checkpoint", "latest",
+             "--learning_rate", "0.002"], "resume_from_checkpoint {tmp}/out/checkpoints/checkpoint-4 was trained with "
+             "learning_rate 0.001, this run asks for 0.002; the checkpoint's optimizer would go on with 0.001. Fix: "
+             "resume with --learning_rate 0.001, or start a new run in another output_dir.",
+             files=_finished_run(config_file, "learning_rate: 0.001\n")),
+    )
+]  # fmt: skip
+
+
 def _make(tmp: Path, files: dict[str, str | bytes | None]) -> None:
     for name, content in files.items():
         path = tmp / name
@@ -319,6 +427,11 @@ def _make(tmp: Path, files: dict[str, str | bytes | None]) -> None:
             path.write_bytes(content)
         else:
             path.write_text(content)
+
+
+def _link(tmp: Path, links: dict[str, str]) -> None:
+    for name, target in links.items():
+        (tmp / name).symlink_to(tmp / target)
 
 
 def _tree(tmp: Path) -> dict[str, tuple[int, int, int]]:
@@ -371,6 +484,14 @@ def no_model_loads(monkeypatch):
 
 
 def run_in_process(cli: str, argv: list[str]) -> int:
+    """The command's exit code, argparse's own exit (a usage error) included."""
+    try:
+        return _run_in_process(cli, argv)
+    except SystemExit as done:
+        return done.code
+
+
+def _run_in_process(cli: str, argv: list[str]) -> int:
     if cli == "train":
         from helpers import train
 
@@ -403,6 +524,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(
     case, tmp_path, monkeypatch, capsys, no_model_loads
 ):
     _make(tmp_path, case.files)
+    _link(tmp_path, case.links)
     monkeypatch.chdir(tmp_path)
     if case.unreadable:
         if os.geteuid() == 0:  # root reads anything: simulate the refusal another user gets

@@ -574,7 +574,6 @@ def test_the_roofline_takes_the_slower_of_compute_and_weight_reads_call_by_call(
     assert got["convolution"] == {"flops": 50, "weight_bytes": 0, "bound_seconds": 5.0}
 
 
-
 def test_a_result_goes_to_its_machines_folder_never_over_another_machines():
     def measured_on(folder):
         return json.loads((folder / "train_step-sd15-shape-256px.json").read_text())["machine"]

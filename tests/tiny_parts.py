@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from helpers.dreambooth.lora import LORA_WEIGHTS
 from helpers.training import data, models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import TrainConfig
@@ -151,3 +153,17 @@ def mapped_rss(path) -> int:
     import psutil
 
     return sum(m.rss for m in psutil.Process().memory_maps() if m.path == str(path))
+
+
+def lora_updates(out: Path) -> dict[str, torch.Tensor]:
+    """What each LoRA layer of a DreamBooth run adds to its weight: ``B @ A`` (alpha = rank, so the scale is 1)."""
+    state = load_file(out / LORA_WEIGHTS)
+    return {k: state[k] @ state[k.replace(".up.", ".down.")] for k in state if ".up." in k}
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """How far two runs' LoRA updates are apart: the norm of the difference over all layers,
+    relative to the norm of ``b``'s update."""
+    assert a.keys() == b.keys()
+    difference = sum(float((a[k] - b[k]).square().sum()) for k in b)
+    return (difference / sum(float(v.square().sum()) for v in b.values())) ** 0.5

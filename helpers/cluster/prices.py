@@ -9,6 +9,7 @@ docs/architecture.md), so the workshop only picks bf16 where the CPU has AVX512-
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -80,6 +81,9 @@ PRICES_SOURCE = (
     "(https://prices.azure.com/api/retail/prices) or https://azure.microsoft.com/pricing/calculator/. "
     "Other regions, discounts, savings plans and spot prices differ."
 )
+PRICES_REGION = "eastus"
+"""The region every price here is for (East US); other regions' prices differ."""
+PRICES_REGION_NAME = "East US"
 # Per-hour prices of the network pieces of the plan (same source and date).
 NAT_GATEWAY_USD_PER_HOUR = 0.045  # plus $0.045 per GB processed, not estimated here
 PUBLIC_IP_USD_PER_HOUR = 0.005  # Standard SKU, static IPv4
@@ -147,3 +151,29 @@ def network_gbps(vm_size: str) -> float | None:
     row, cpus = size_series(vm_size), vcpus(vm_size)
     mbps = NETWORK_MBPS.get(row.series, {}).get(cpus) if row and cpus else None
     return mbps / 1000 if mbps else None
+
+
+REGIONS_CHECKED_ON = "2026-11-23"
+REGIONS_SOURCE = (
+    "The physical regions of Azure's public cloud as `az account list-locations --query \"[?metadata.regionType"
+    "=='Physical'].name\" -o tsv` names them, as known on that date (NOT fetched live; staging and EUAP "
+    "regions left out). A region opened since then is refused until it is added here."
+)
+AZURE_REGIONS: tuple[str, ...] = (
+    "australiacentral", "australiacentral2", "australiaeast", "australiasoutheast", "brazilsouth",
+    "brazilsoutheast", "canadacentral", "canadaeast", "centralindia", "centralus", "chilecentral", "eastasia",
+    "eastus", "eastus2", "francecentral", "francesouth", "germanynorth", "germanywestcentral",
+    "indonesiacentral", "israelcentral", "italynorth", "japaneast", "japanwest", "jioindiacentral",
+    "jioindiawest", "koreacentral", "koreasouth", "malaysiawest", "mexicocentral", "newzealandnorth",
+    "northcentralus", "northeurope", "norwayeast", "norwaywest", "polandcentral", "qatarcentral",
+    "southafricanorth", "southafricawest", "southcentralus", "southeastasia", "southindia", "spaincentral",
+    "swedencentral", "swedensouth", "switzerlandnorth", "switzerlandwest", "uaecentral", "uaenorth", "uksouth",
+    "ukwest", "westcentralus", "westeurope", "westindia", "westus", "westus2", "westus3",
+)  # fmt: skip
+"""Azure's region names (``location``), from :data:`REGIONS_SOURCE`."""
+
+
+def nearest_regions(name: str, count: int = 3) -> list[str]:
+    """The ``count`` known region names spelled most like ``name`` (``"westeuropa"`` -> ``westeurope`` first)."""
+    ranked = sorted(AZURE_REGIONS, key=lambda r: -difflib.SequenceMatcher(None, name, r).ratio())
+    return ranked[:count]

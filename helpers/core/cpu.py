@@ -109,6 +109,14 @@ def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return any(f in flags for f in NATIVE_BF16_FLAGS)
 
 
+def can_lay_out_bf16_weights(flags: frozenset[str] | None = None) -> bool:
+    """True where oneDNN can lay out a bf16 weight for its linear kernels (``mkldnn_reorder_linear_weight``
+    refuses elsewhere): AVX512-BW with VL and DQ, or AVX-NE-CONVERT. An AVX2-only CPU computes bf16
+    (slowly, emulated) but cannot prepack it."""
+    flags = cpu_flags() if flags is None else flags
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 def choose_precision(requested: str = "auto", flags: frozenset[str] | None = None) -> PrecisionChoice:
     """Pick the training precision for this CPU.
 
@@ -288,6 +296,9 @@ def torch_threads(num_threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+MALLOC_DEFAULTS_ENV = "WORKSHOP_MALLOC_DEFAULTS"
+
+
 @contextmanager
 def keep_freed_memory() -> Iterator[bool]:
     """Within the block, glibc keeps freed memory for reuse instead of returning it to the OS.
@@ -299,12 +310,13 @@ def keep_freed_memory() -> Iterator[bool]:
     little more resident memory (the measured speed-up and memory: the ``keep_freed_memory`` row of
     the options table in docs/performance.md). The same effect as preloading tcmalloc,
     without installing it.
-    On exit the defaults come back and the heap is trimmed. Does nothing where glibc is absent.
+    On exit the defaults come back and the heap is trimmed. Does nothing where glibc is absent,
+    or with ``WORKSHOP_MALLOC_DEFAULTS=1`` (``bench/`` measures a run with glibc's defaults so).
 
     Yields:
         True if the setting was applied (Linux with glibc).
     """
-    libc = _glibc()
+    libc = None if os.environ.get(MALLOC_DEFAULTS_ENV) == "1" else _glibc()
     if libc is None:
         yield False
         return

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from helpers.core.errors import run_cli
+from helpers.core.errors import ArgumentParser, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENT_FILES = (ROOT / "requirements.txt", ROOT / "requirements-nodeps.txt")
@@ -69,9 +69,7 @@ def problems() -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``python -m helpers.core.environment`` takes no arguments (``--help`` says what it checks)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m helpers.core.environment", description=__doc__.splitlines()[0]
-    )
+    parser = ArgumentParser(prog="python -m helpers.core.environment", description=__doc__.splitlines()[0])
     return parser.parse_args(argv)
 
 

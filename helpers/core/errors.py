@@ -8,6 +8,7 @@ line that names the input and says the fix. Every ``python -m helpers.<x>`` entr
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import os
@@ -48,6 +49,18 @@ _OS_FIXES = {
     FileExistsError: "choose another path, or remove what is there",
     FileNotFoundError: "check the path",
 }
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as every other bad input is.
+
+    argparse prints the whole usage (a dozen lines for a command with many flags) before its
+    message; here the message names the fix instead: ``error: <message> (see <prog> --help)``,
+    exit code 2. Its sub-command parsers are of this class too.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def one_line(err: BaseException) -> str:
@@ -161,16 +174,19 @@ def run_training_cli(
     parse_args: Callable[[list[str] | None], Any],
     argv: list[str] | None,
     start: Callable[[], Any],
-    interrupted: str,
+    interrupted: Callable[[Any], str],
     interrupted_exit: int,
     also: tuple[type[BaseException], ...] = (),
+    done: Callable[[], Any] = lambda: None,
 ) -> int:
     """:func:`run_cli` for a command that trains (``helpers.train``, ``helpers.dreambooth``).
 
     Logs at INFO with times (accelerate's loggers only from WARNING: a line per checkpoint file
-    otherwise), calls ``start()`` first (the rank's lock and status under ``helpers.launch``), and
-    turns Ctrl-C into the one line ``interrupted`` (how to resume) and exit code ``interrupted_exit``
-    rather than the traceback of wherever it hit. The training layer's pieces come as arguments:
+    otherwise), calls ``start()`` first (the rank's lock and status under ``helpers.launch``) and
+    ``done()`` once the command has succeeded (the rank's report that it exits 0), and turns
+    Ctrl-C into the one line ``interrupted(settings)`` (how to go on: resume, or start over when
+    no checkpoint exists) and exit code ``interrupted_exit`` rather than the traceback of
+    wherever it hit. The training layer's pieces come as arguments:
     this module is the lowest layer and imports none of them.
 
     Returns:
@@ -178,9 +194,23 @@ def run_training_cli(
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("accelerate").setLevel(logging.WARNING)
-    start()
     try:
-        return run_cli(main, parse_args, argv, also=also)
+        start()
+    except INPUT_ERRORS as err:  # e.g. a link planted at this rank's status lock
+        sys.stderr.write(f"error: {one_line(err)}\n")
+        return 2
+    parsed: list[Any] = []
+
+    def parse(arguments: list[str] | None) -> Any:
+        parsed.append(parse_args(arguments))
+        return parsed[-1]
+
+    try:
+        code = run_cli(main, parse, argv, also=also)
     except KeyboardInterrupt:
-        sys.stderr.write(f"\n{interrupted}\n")
+        # before the settings are read there is no run to speak of: the shell's own words suffice
+        sys.stderr.write(f"\n{interrupted(parsed[0]) if parsed else 'interrupted (Ctrl-C)'}\n")
         return interrupted_exit
+    if code == 0:
+        done()
+    return code

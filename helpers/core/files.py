@@ -9,6 +9,11 @@ What is written gets the user's normal mode, as if created with ``open()``/``mkd
 ``0o777 & ~umask``. Third-party writers often create private files (safetensors writes 0600,
 ``tempfile.mkstemp`` 0600, ``mkdtemp`` 0700): on a shared machine other users could not read the
 result, so the modes are set explicitly before the rename.
+
+Nothing here writes through a symbolic link someone planted in a shared folder: a temporary is
+created under a fresh random name with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (an existing name, a link
+included, is refused, never opened), :func:`write_file_atomic` writes through that descriptor, and
+the final rename onto a link replaces the link itself, never the file it points to.
 """
 
 from __future__ import annotations
@@ -91,13 +96,34 @@ def _make_parent(path: Path) -> None:
         raise _cannot_write(existing, err) from None
 
 
-def _discard(path: Path) -> None:
-    """Remove a temporary file or folder; a failure here must not hide the error being handled."""
+def discard(path: str | os.PathLike) -> None:
+    """Remove a file, folder or link quietly (a link is removed, never followed into its target).
+
+    For temporaries: a failure here must not hide the error being handled.
+    """
+    path = Path(path)
     with contextlib.suppress(OSError):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+_EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _create_temporary(path: Path) -> tuple[Path, int]:
+    """Create ``path``'s hidden temporary sibling, empty and new (never an existing name or link)."""
+    _make_parent(path)
+    tmp = _sibling(path, "tmp")
+    try:
+        return tmp, os.open(tmp, _EXCLUSIVE, 0o666)
+    except PermissionError as err:
+        raise _cannot_write(path.parent, err) from None
+    except OSError as err:
+        if err.errno != errno.EROFS:
+            raise
+        raise _cannot_write(path.parent, err) from None
 
 
 def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
@@ -107,7 +133,7 @@ def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object]) 
     created empty, so a folder that cannot be written fails here, naming the folder), which is
     then given the user's normal mode and renamed to ``path``. Use it for tools that take a path
     (papermill, ``Image.save``, safetensors' ``save_file``); :func:`write_file_atomic` for ones
-    that take an open file.
+    that take an open file. A link at ``path`` is replaced by the file, its target left alone.
 
     Parents are created; on any error the temporary is removed and ``path`` is left as it was.
 
@@ -116,22 +142,14 @@ def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object]) 
         NotADirectoryError: a file is where a parent folder should be.
     """
     path = Path(path)
-    _make_parent(path)
-    tmp = _sibling(path, "tmp")
-    try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    except PermissionError as err:
-        raise _cannot_write(path.parent, err) from None
-    except OSError as err:
-        if err.errno != errno.EROFS:
-            raise
-        raise _cannot_write(path.parent, err) from None
+    tmp, fd = _create_temporary(path)
+    os.close(fd)
     try:
         write(tmp)
         normal_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
-        _discard(tmp)
+        discard(tmp)
         raise
     return path
 
@@ -139,15 +157,22 @@ def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object]) 
 def write_file_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
     """Create ``path`` atomically: ``write(fh)`` fills a temporary sibling, which is then renamed.
 
-    Parents are created; on any error the temporary is removed and ``path`` is left as it was.
-    The file gets the user's normal mode (``0o666 & ~umask``).
+    ``fh`` is the descriptor that created the temporary (the name is never opened again, so nothing
+    swapped in under it is written). Parents are created; on any error the temporary is removed and
+    ``path`` is left as it was. The file gets the user's normal mode (``0o666 & ~umask``); a link
+    at ``path`` is replaced by the file, its target left alone.
     """
-
-    def fill(tmp: Path) -> None:
-        with open(tmp, "wb") as fh:
+    path = Path(path)
+    tmp, fd = _create_temporary(path)
+    try:
+        with open(fd, "wb") as fh:
             write(fh)
-
-    return write_path_atomic(path, fill)
+        normal_mode(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        discard(tmp)
+        raise
+    return path
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -201,12 +226,12 @@ def replace_dir_atomic(
             try:
                 os.rename(tmp, path)  # fails if another builder's non-empty folder is there
             except OSError:
-                if not path.is_dir():
+                if path.is_symlink() or not path.is_dir():  # a link is no builder's folder
                     raise
             return path
         return move_dir_into_place(tmp, path)
     finally:
-        _discard(tmp)
+        discard(tmp)
 
 
 def move_dir_into_place(src: str | os.PathLike, path: str | os.PathLike) -> Path:
@@ -238,7 +263,7 @@ def move_dir_into_place(src: str | os.PathLike, path: str | os.PathLike) -> Path
                 os.rename(old, path)
         raise
     if moved_aside:
-        _discard(old)
+        discard(old)
     return path
 
 

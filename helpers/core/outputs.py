@@ -10,10 +10,12 @@ The layout of ``output_dir`` is that of diffusers' ``examples/textual_inversion/
       train_config.yaml                the settings, written first
       checkpoints/checkpoint-N/        resumable; each holds its run's train_config.yaml
       samples/step-N/, samples/final/  validation images
-      learned_embeds-steps-N.safetensors
+      learned_embeds-steps-N.safetensors (SDXL: learned_embeds_2-steps-N.safetensors too)
       history.json                     per-step records (history.json.partial while running)
       learned_embeds.safetensors
+      learned_embeds_2.safetensors     SDXL only: the second text encoder's rows
       model_index.json, text_encoder/, tokenizer/, unet/, vae/, scheduler/
+                                       (SDXL: text_encoder_2/ and tokenizer_2/ too)
                                        with --save_as_full_pipeline: output_dir is itself a
                                        diffusers pipeline folder (model_index.json written last)
       run_summary.json                 written last: the run is finished
@@ -28,6 +30,8 @@ from helpers.core.errors import InputError
 
 LEARNED_EMBEDS = "learned_embeds.safetensors"
 """``{placeholder_token: FloatTensor[num_vectors, hidden]}``, in ``output_dir``."""
+LEARNED_EMBEDS_2 = "learned_embeds_2.safetensors"
+"""SDXL's second text encoder's rows, the same layout, beside :data:`LEARNED_EMBEDS` (the first's)."""
 SUMMARY = "run_summary.json"
 """What a finished run reports (steps, seconds, loss...), in ``output_dir``; written last."""
 HISTORY = "history.json"
@@ -52,6 +56,8 @@ removes such a folder with a run it replaces)."""
 PIPELINE_PARTS = (
     "text_encoder",
     "tokenizer",
+    "text_encoder_2",
+    "tokenizer_2",
     "unet",
     "vae",
     "scheduler",
@@ -59,7 +65,7 @@ PIPELINE_PARTS = (
     "safety_checker",
     "image_encoder",
 )
-"""The component folders a Stable Diffusion pipeline may have beside ``model_index.json``."""
+"""The component folders a Stable Diffusion (or SDXL) pipeline may have beside ``model_index.json``."""
 
 
 def is_pipeline_folder(path: str | os.PathLike) -> bool:

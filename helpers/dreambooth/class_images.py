@@ -35,6 +35,7 @@ from helpers.core.files import save_image_atomic, write_text_atomic
 from helpers.ranks import status
 from helpers.training.data import validate_image_folder
 from helpers.training.engine import prepack
+from helpers.training.families import family_of
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def image_files(folder: str | os.PathLike, min_size: int = 0) -> list[Path]:
         warnings.filterwarnings(
             "ignore", message=rf".*skipped 1 file\(s\) that are not pictures: {re.escape(MANIFEST)}$"
         )
-        return validate_image_folder(folder, min_size=min_size)
+        return validate_image_folder(folder, min_size=min_size, max_files=None)  # generated: as many as asked
 
 
 def plan(folder: str | os.PathLike, num_class_images: int) -> list[int]:
@@ -202,10 +203,11 @@ def class_pipeline(
     ``prepack_convs``: the UNet's convolutions use weights laid out for oneDNN once
     (:func:`helpers.training.engine.prepack.pack_unet`, the forward's copy only), where it fits in memory.
     """
-    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+    from diffusers import DPMSolverMultistepScheduler
 
-    pipe = StableDiffusionPipeline.from_pretrained(
-        model_dir, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False
+    family = family_of(model_dir)  # StableDiffusionPipeline or StableDiffusionXLPipeline
+    pipe = family.diffusers_class().from_pretrained(
+        model_dir, torch_dtype=dtype, **dict(family.pipeline_extras)
     )
     pipe.unet.requires_grad_(False)  # only generates
     if prepack_convs:

@@ -12,7 +12,7 @@ import logging
 from helpers.core.errors import run_training_cli
 from helpers.dreambooth.config import DreamBoothConfig, parse_args
 from helpers.ranks import status
-from helpers.training.engine.checkpoints import INTERRUPTED, INTERRUPTED_EXIT
+from helpers.training.engine.checkpoints import INTERRUPTED_EXIT, interrupted_line
 from helpers.training.models import HubUnavailableError
 
 __all__ = ["cli", "main", "parse_args"]
@@ -34,5 +34,12 @@ def cli(argv: list[str] | None = None) -> int:
     :func:`helpers.core.errors.run_training_cli`."""
     # status.start: under helpers.launch, this rank's lock and status until the process is gone
     return run_training_cli(
-        main, parse_args, argv, status.start, INTERRUPTED, INTERRUPTED_EXIT, also=(HubUnavailableError,)
+        main,
+        parse_args,
+        argv,
+        status.start,
+        lambda config: interrupted_line(config.output_dir),  # resume, or start over (no checkpoint)
+        INTERRUPTED_EXIT,
+        also=(HubUnavailableError,),
+        done=status.done,
     )

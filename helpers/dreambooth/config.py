@@ -1,7 +1,8 @@
 """``DreamBoothConfig``: every DreamBooth-LoRA knob, defined once, with the flags of diffusers' script.
 
 Field names equal the flags of diffusers' ``examples/dreambooth/train_dreambooth_lora.py``, so
-the command lines of the original guides run unchanged apart from the program name. Flags that
+the command lines of the original guides run unchanged apart from the program name
+(``--output_kohya_format`` is its SDXL script's flag, taken for every model). Flags that
 make no sense on a CPU or offline are an error that says why (:data:`UNSUPPORTED_DIFFUSERS_FLAGS`);
 a few are accepted and have no effect, with the reason (:data:`IGNORED_FLAGS`). The same object
 round-trips through YAML (``--config run.yaml``) and the command line. Types, coercion, ranges,
@@ -124,6 +125,11 @@ class DreamBoothConfig(Settings):
     resume_from_checkpoint: str | None = same_as(TrainConfig, "resume_from_checkpoint")
     save_as_full_pipeline: bool = setting(
         False, "also save the full pipeline with the LoRA fused in (output_dir/pipeline)"
+    )
+    output_kohya_format: bool = setting(
+        False,
+        "also write the LoRA in kohya's layout, pytorch_lora_weights_kohya.safetensors (AUTOMATIC1111, "
+        "ComfyUI); the flag of diffusers' train_dreambooth_lora_sdxl.py",
     )
     validation_prompt: str | None = setting(None, "prompt for sample images during and after training")
     num_validation_images: int = same_as(TrainConfig, "num_validation_images")

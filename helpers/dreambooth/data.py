@@ -18,7 +18,18 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from helpers.training.data import to_rgb
+from helpers.training.data import picture_size, to_rgb
+from helpers.training.families import ImageSizes
+
+
+def view_sizes(path: str | os.PathLike, size: int) -> ImageSizes:
+    """The sizes SDXL's UNet is told of a picture made into a view by :func:`load_view`: its own
+    ``(height, width)``, the top-left of the centred crop in the resized picture, ``(size, size)``.
+    Reads the file's header only."""
+    height, width = picture_size(path)
+    scale = size / min(width, height)
+    resized_w, resized_h = max(size, round(width * scale)), max(size, round(height * scale))
+    return ImageSizes((height, width), ((resized_h - size) // 2, (resized_w - size) // 2), (size, size))
 
 
 def load_view(path: str | os.PathLike, size: int) -> torch.Tensor:
@@ -49,6 +60,10 @@ class ImageViews:
     def view_pixels(self, view_index: int) -> torch.Tensor:
         """Pixels of picture ``view_index`` (see :func:`load_view`)."""
         return load_view(self.images[view_index], self.size)
+
+    def sizes(self) -> list[ImageSizes]:
+        """Every view's sizes, as SDXL's UNet is told them (:func:`view_sizes`)."""
+        return [view_sizes(path, self.size) for path in self.images]
 
 
 class DreamBoothPairs(torch.utils.data.Dataset):

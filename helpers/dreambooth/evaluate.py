@@ -17,7 +17,7 @@ from typing import Any
 from helpers.core.outputs import HISTORY, LEARNED_EMBEDS, SUMMARY
 from helpers.dreambooth.lora import LORA_WEIGHTS, lora_file, stock_lora_pipeline
 from helpers.inference import load_pytorch_pipeline
-from helpers.toyworld import ConceptReport, concept_report
+from helpers.toyworld import ConceptReport
 from helpers.toyworld.evaluate import concept_scores, generate_images
 from helpers.toyworld.judge import JUDGE_DIR, load_judge
 from helpers.toyworld.world import PIP
@@ -90,34 +90,33 @@ def method_row(
 
 
 def compare_methods(
-    model: str | os.PathLike,
-    class_prompt: str,
     ti_output_dir: str | os.PathLike,
-    ti_prompt: str,
+    ti: ConceptReport,
     db_output_dir: str | os.PathLike,
-    db_prompt: str,
-    num_images: int = 8,
-    seed: int = 0,
+    db: ConceptReport,
+    class_before: ConceptReport,
+    class_after: ConceptReport,
 ) -> list[dict[str, Any]]:
     """Textual Inversion and DreamBooth-LoRA on the same subject, the same seeds and the same judge.
 
+    The reports are the ones the notebook has already drawn (nothing is drawn twice):
+
     Args:
-        model: the base model both were trained on.
-        class_prompt: e.g. ``"a photo of a toy"``: does the class still look like the class?
-        ti_output_dir, ti_prompt: a textual-inversion run (notebook 02) and its prompt, e.g. ``"a photo of <pip>"``.
-        db_output_dir, db_prompt: a DreamBooth-LoRA run and its prompt, e.g. ``"a photo of sks toy"``.
+        ti_output_dir, ti: a textual-inversion run (notebook 02) and the report of its prompt, e.g.
+            :func:`helpers.toyworld.concept_report` of ``"a photo of <pip>"``.
+        db_output_dir, db: a DreamBooth-LoRA run and the :func:`lora_report` of its instance prompt.
+        class_before, class_after: :func:`lora_report` of the class prompt (e.g. ``"a photo of a
+            toy"``) without and with the LoRA. Textual Inversion leaves the model as it was, so its
+            class pictures are the base model's (``class_before``).
 
     Returns:
-        Two rows (:func:`method_row`). Textual Inversion leaves the model as it was, so its class
-        pictures are the base model's.
+        Two rows (:func:`method_row`).
     """
     ti_dir, db_dir = Path(ti_output_dir), Path(db_output_dir)
-    ti = concept_report(model, ti_prompt, ti_dir / LEARNED_EMBEDS, num_images=num_images, seed=seed)
-    base_class = concept_report(model, class_prompt, num_images=num_images, seed=seed)
-    db = lora_report(model, db_prompt, db_dir, num_images=num_images, seed=seed)
-    db_class = lora_report(model, class_prompt, db_dir, num_images=num_images, seed=seed)
     made = json.loads((db_dir / SUMMARY).read_text()).get("class_images") or {}
     return [
-        method_row("Textual Inversion", ti_dir, ti_dir / LEARNED_EMBEDS, ti, base_class),
-        method_row("DreamBooth-LoRA", db_dir, db_dir / LORA_WEIGHTS, db, db_class, made.get("seconds", 0.0)),
+        method_row("Textual Inversion", ti_dir, ti_dir / LEARNED_EMBEDS, ti, class_before),
+        method_row(
+            "DreamBooth-LoRA", db_dir, db_dir / LORA_WEIGHTS, db, class_after, made.get("seconds", 0.0)
+        ),
     ]

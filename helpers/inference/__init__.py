@@ -8,6 +8,24 @@ The concept reaches a pipeline by one of two routes, both supported and tested:
 * the base model plus ``output_dir/learned_embeds.safetensors``, loaded afterwards with
   ``load_textual_inversion`` (diffusers' for PyTorch, optimum-intel's for OpenVINO).
 
+Both model families (:mod:`helpers.training.families`, read from ``model_index.json``) take both
+routes: Stable Diffusion v1/v2 (``StableDiffusionPipeline``, ``OVStableDiffusionPipeline``) and
+Stable Diffusion XL (``StableDiffusionXLPipeline``, ``OVStableDiffusionXLPipeline``). An SDXL
+concept is two files, one per text encoder: ``learned_embeds.safetensors`` goes into
+``text_encoder`` and ``learned_embeds_2.safetensors``, beside it, into ``text_encoder_2`` (the same
+``load_textual_inversion`` with ``text_encoder=`` and ``tokenizer=``, in PyTorch and in
+optimum-intel). A second file missing beside the first for an SDXL model, or present for an SD v1
+model (the first encoders of SD v1.5 and SDXL are both 768 wide, so the width cannot tell), is one
+line before any model loads. Tested on ``"tiny-xl"``: each OpenVINO text encoder, the second
+included, gives PyTorch's output for a prompt with the learned token, and so does what the
+pipeline feeds its UNet (both penultimate states, the second's pooled output); int8 weights keep
+the concept; the images match PyTorch's (:func:`compare`). What is not supported for SDXL: the
+single-file ``{"clip_l": ..., "clip_g": ...}`` embeddings of diffusers' advanced SDXL DreamBooth
+script (refused as a file of two tensors: pass the two files a textual-inversion run writes), a
+second concept in one OpenVINO pipeline and loading into int8 text encoders (as for SD v1, below),
+and the SDXL refiner or other families (one line naming the supported ones). ``quant_mode="int8"``
+runs on ``"tiny-xl"`` but is measured for SD v1 only.
+
 Runs are comparable across backends: :func:`generate` gives every pipeline the same initial
 latents (drawn from a CPU ``torch.Generator`` seeded with ``seed``, the same generator then
 feeds any scheduler noise), the scheduler is the one exported with the model (same class and
@@ -65,6 +83,7 @@ from helpers.inference.concept import (
     check_concept,
     find_concept,
     first_finished_run,
+    learned_embeds_files,
     read_learned_embeds,
 )
 from helpers.inference.generation import Generation, generate, initial_latents, save_images, timing_rows
@@ -119,6 +138,7 @@ __all__ = [
     "image_psnr",
     "initial_latents",
     "insert_learned_embeds",
+    "learned_embeds_files",
     "load_learned_embeds",
     "load_openvino_pipeline",
     "load_pytorch_pipeline",

@@ -11,8 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from helpers.core.errors import run_cli
-from helpers.core.outputs import LEARNED_EMBEDS
+from helpers.core.errors import ArgumentParser, run_cli
+from helpers.core.outputs import LEARNED_EMBEDS, LEARNED_EMBEDS_2
 from helpers.inference.common import QUANT_MODES, WEIGHT_FORMATS, InferenceInputError, is_openvino_folder
 from helpers.inference.concept import read_learned_embeds
 from helpers.inference.generation import generate, save_images
@@ -25,6 +25,7 @@ from helpers.inference.openvino import (
 )
 from helpers.inference.parity import compare
 from helpers.inference.pytorch import load_learned_embeds, load_pytorch_pipeline
+from helpers.training.config import MAX_RESOLUTION
 from helpers.training.models import HubUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``python -m helpers.inference {export,generate,compare} ...``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m helpers.inference",
         description="Export, generate and compare the learned concept with PyTorch and OpenVINO.",
     )
@@ -40,7 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     def concept(p: argparse.ArgumentParser, model_help: str) -> None:
         p.add_argument("--model", required=True, help=model_help)
-        p.add_argument("--learned_embeds", default=None, help=f"{LEARNED_EMBEDS} to load on top of --model")
+        p.add_argument(
+            "--learned_embeds",
+            default=None,
+            help=f"{LEARNED_EMBEDS} to load on top of --model (SDXL: {LEARNED_EMBEDS_2} beside it too)",
+        )
         p.add_argument(
             "--placeholder_token", default=None, help="token to load the embeddings under / to check"
         )
@@ -92,7 +97,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     Raises:
         FileNotFoundError, InferenceInputError: a count below 1, a resolution that is not a
-            multiple of 8, a guidance scale that is not a number; the embeddings file is missing,
+            multiple of 8 or above :data:`~helpers.training.config.MAX_RESOLUTION`, a guidance scale that is not a number; the embeddings file is missing,
             empty, corrupt or not finite; ``--output_dir`` is a file (or lies under one);
             ``--openvino_dir`` is not an export.
     """
@@ -105,6 +110,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise InferenceInputError(
             f"--resolution {resolution}: must be a positive multiple of 8 (the VAE halves it three times), "
             f"e.g. 512, or 64 for 'toyworld'; leave it out for the model's own size"
+        )
+    if resolution is not None and resolution > MAX_RESOLUTION:  # 100000 tried to allocate 40 GB
+        raise InferenceInputError(
+            f"--resolution {resolution}: at most {MAX_RESOLUTION} (Stable Diffusion models are trained at 512 to "
+            f"1024 px); leave it out for the model's own size"
         )
     guidance = getattr(args, "guidance_scale", None)
     if guidance is not None and not (math.isfinite(guidance) and guidance >= 0):

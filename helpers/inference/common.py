@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.core.errors import InputError
+from helpers.training.families import FAMILIES, Family
 
 VARIANTS = ("pytorch_fp32", "openvino_dynamic", "openvino_static", "openvino_static_int8")
 """The variants timed on every CPU; where :func:`openvino_default_precision` is bf16, also this one:"""
@@ -26,6 +27,9 @@ IMAGE_PSNR_MIN_DB = 40.0
 PSNR_IDENTICAL_DB = 100.0
 """PSNR reported for identical images (the true value is infinite, which JSON cannot hold)."""
 EXPORT_INFO = "export_info.json"
+OPENVINO_PIPELINES = {"sd1": "OVStableDiffusionPipeline", "sdxl": "OVStableDiffusionXLPipeline"}
+"""optimum-intel's pipeline class for each model family (:data:`helpers.training.families.FAMILIES`);
+the PyTorch one is the family's ``pipeline_class``."""
 
 
 class InferenceInputError(InputError):
@@ -42,7 +46,21 @@ def is_openvino_folder(path: Path) -> bool:
     return (path / "unet" / "openvino_model.xml").is_file()
 
 
-def hidden_size(pipe: Any) -> int:
-    """Width of the pipeline's text encoder (OpenVINO pipelines keep the config as a dict)."""
-    config = pipe.text_encoder.config
+def pipe_family(pipe: Any) -> Family:
+    """The model family of a loaded PyTorch or OpenVINO pipeline: SDXL when it has a second tokenizer."""
+    return FAMILIES["sdxl" if getattr(pipe, "tokenizer_2", None) is not None else "sd1"]
+
+
+def encoder_pairs(pipe: Any) -> list[tuple[Any, Any]]:
+    """``(tokenizer, text_encoder)`` of each text encoder of ``pipe``, in its family's order."""
+    family = pipe_family(pipe)
+    return [
+        (getattr(pipe, tok), getattr(pipe, enc))
+        for tok, enc in zip(family.tokenizers, family.text_encoders, strict=True)
+    ]
+
+
+def hidden_size(text_encoder: Any) -> int:
+    """Width of a PyTorch or OpenVINO text encoder (OpenVINO keeps the config as a dict)."""
+    config = text_encoder.config
     return config["hidden_size"] if isinstance(config, dict) else config.hidden_size

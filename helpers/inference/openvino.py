@@ -17,15 +17,16 @@ from helpers.core.files import replace_dir_atomic
 from helpers.core.quiet import quiet_model_loading, quiet_weight_compression, tracing_quietly
 from helpers.inference.common import (
     EXPORT_INFO,
+    OPENVINO_PIPELINES,
     QUANT_MODES,
     WEIGHT_FORMATS,
     InferenceInputError,
-    hidden_size,
     is_openvino,
     is_openvino_folder,
 )
-from helpers.inference.concept import check_concept, check_embeds, learned_embeds_file
+from helpers.inference.concept import check_concept, check_pipe_embeds
 from helpers.training.data import imagenet_templates_small
+from helpers.training.families import family_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,24 +68,41 @@ inference; bench/results/inference-*.json).
 def insert_learned_embeds(
     pipe: Any, learned_embeds: str | os.PathLike, placeholder_token: str | None = None, compile: bool = True
 ) -> list[str]:
-    """Insert textual-inversion embeddings into an OpenVINO pipeline's text-encoder graph.
+    """Insert textual-inversion embeddings into an OpenVINO pipeline's text-encoder graphs.
 
-    Requests are cleared, the rows are inserted by optimum-intel's ``load_textual_inversion``, the
-    insertion is verified, then the pipeline compiles (unless ``compile=False``: export skips it).
-    :func:`helpers.inference.load_learned_embeds` calls this for OpenVINO pipelines.
+    Requests are cleared, the rows are inserted by optimum-intel's ``load_textual_inversion``
+    into each text encoder (SDXL: ``learned_embeds_2.safetensors`` into ``text_encoder_2`` with
+    ``tokenizer_2``, the same call with ``text_encoder=`` and ``tokenizer=``), the insertion is
+    verified in each graph, then the pipeline compiles (unless ``compile=False``: export skips it).
+    :func:`helpers.inference.load_learned_embeds` calls this for OpenVINO pipelines. Every encoder
+    is checked before the first graph is changed.
 
     Returns:
-        The tokens added (``<tok>``, then ``<tok>_1``... for multi-vector embeddings).
+        The tokens added to each tokenizer (``<tok>``, then ``<tok>_1``... for multi-vector embeddings).
     """
-    tokens = check_embeds(
-        pipe.tokenizer, hidden_size(pipe), learned_embeds, placeholder_token, "this pipeline"
-    )
-    path = learned_embeds_file(learned_embeds)
+    checked = check_pipe_embeds(pipe, learned_embeds, placeholder_token)
+    for (path, _), (_, encoder) in checked:
+        _check_graph(encoder.model, path)
+    pipe.clear_requests()
+    for (path, tokens), (tokenizer, encoder) in checked:
+        pipe.load_textual_inversion(
+            str(path), token=placeholder_token, tokenizer=tokenizer, text_encoder=encoder
+        )
+        inserted = sum(_TI_NODE_MARK in op.get_friendly_name() for op in encoder.model.get_ops())
+        if inserted != len(tokens):  # pragma: no cover - guards a silent failure of optimum-intel
+            raise RuntimeError(
+                f"optimum-intel inserted {inserted} of {len(tokens)} embedding rows into a text encoder"
+            )
+    if compile:
+        pipe.compile()
+    return checked[0][0][1]
+
+
+def _check_graph(graph: Any, path: Path) -> None:
+    """Refuse a text-encoder graph optimum-intel would get wrong: rows already inserted, or an int8 table."""
     from optimum.intel.openvino.utils import TEXTUAL_INVERSION_EMBEDDING_KEYS
 
-    graph = pipe.text_encoder.model
-    names = {op.get_friendly_name() for op in graph.get_ops()}
-    if any(_TI_NODE_MARK in n for n in names):
+    if any(_TI_NODE_MARK in op.get_friendly_name() for op in graph.get_ops()):
         raise InferenceInputError(
             f"learned_embeds {str(path)!r}: this OpenVINO pipeline already has textual-inversion tokens, and "
             f"optimum-intel 2.2 scrambles the earlier ones on a second load. Fix: load one embedding "
@@ -97,16 +115,13 @@ def insert_learned_embeds(
             f"compressed (int8) or missing, so optimum-intel cannot insert rows into it. Fix: insert embeddings "
             f"before compressing: export_openvino(base, out_dir, weight_format='int8', learned_embeds=...)."
         )
-    pipe.clear_requests()
-    pipe.load_textual_inversion(str(path), token=placeholder_token)
-    inserted = sum(_TI_NODE_MARK in op.get_friendly_name() for op in graph.get_ops())
-    if inserted != len(tokens):  # pragma: no cover - guards a silent failure of optimum-intel
-        raise RuntimeError(
-            f"optimum-intel inserted {inserted} of {len(tokens)} embedding rows into the text encoder"
-        )
-    if compile:
-        pipe.compile()
-    return tokens
+
+
+def _openvino_class(path: Path) -> Any:
+    """optimum-intel's pipeline class for the family of the pipeline in ``path`` (PyTorch or OpenVINO)."""
+    import optimum.intel
+
+    return getattr(optimum.intel, OPENVINO_PIPELINES[family_of(path).name])
 
 
 def load_openvino_pipeline(path: str | os.PathLike, compile: bool = True, precision: str | None = "f32"):
@@ -121,8 +136,6 @@ def load_openvino_pipeline(path: str | os.PathLike, compile: bool = True, precis
     Raises:
         FileNotFoundError: ``path`` is not an OpenVINO export; the message says how to make one.
     """
-    from optimum.intel import OVStableDiffusionPipeline
-
     path = Path(path)
     if not is_openvino_folder(path):
         raise FileNotFoundError(
@@ -130,8 +143,9 @@ def load_openvino_pipeline(path: str | os.PathLike, compile: bool = True, precis
             f"first with export_openvino(...) or `python -m helpers.inference export`."
         )
     ov_config = {"INFERENCE_PRECISION_HINT": precision} if precision else None
+    cls = _openvino_class(path)
     quiet_model_loading()
-    return OVStableDiffusionPipeline.from_pretrained(path, compile=compile, ov_config=ov_config)
+    return cls.from_pretrained(path, compile=compile, ov_config=ov_config)
 
 
 def openvino_default_precision() -> str:
@@ -254,15 +268,14 @@ def _check_export(
 
 def _load_for_export(path: Path) -> Any:
     """The pipeline as optimum-intel holds it: read from an OpenVINO folder, or exported from PyTorch."""
-    from optimum.intel import OVStableDiffusionPipeline
-
+    cls = _openvino_class(path)
     quiet_model_loading()
     if is_openvino_folder(path):
-        return OVStableDiffusionPipeline.from_pretrained(path, compile=False)
-    logger.info("exporting %s to OpenVINO IR (minutes and GBs for SD v1.5)", path)
+        return cls.from_pretrained(path, compile=False)
+    logger.info("exporting %s to OpenVINO IR (minutes and GBs for SD v1.5, more for SDXL)", path)
     # load_in_8bit=False: keep fp32 weights whatever the model size; int8 is a separate, explicit step
     with tracing_quietly():
-        return OVStableDiffusionPipeline.from_pretrained(path, export=True, compile=False, load_in_8bit=False)
+        return cls.from_pretrained(path, export=True, compile=False, load_in_8bit=False)
 
 
 def _save_export(pipe: Any, folder: Path, weight_format: str) -> None:
@@ -277,35 +290,11 @@ def _save_export(pipe: Any, folder: Path, weight_format: str) -> None:
         pipe.save_pretrained(folder)
 
 
-def _calibrate_and_quantize(
-    pipe: Any, save_dir: Path, weight_format: str, token: str, num_samples: int, resolution: int | None
-) -> dict[str, Any]:
-    """Quantize ``pipe``'s UNet and VAE decoder to int8 weights and activations, calibrated on their inputs.
+def _record_calibration(pipe: Any, token: str, num_samples: int, size: int) -> tuple[list, list]:
+    """Generate with ``pipe`` (compiled, fp32) from the prompt templates with ``token``, recording the
+    UNet's inputs (the first ``num_samples`` calls) and the VAE decoder's (one per image)."""
+    from optimum.intel.openvino.quantization import InferRequestWrapper  # see _calibrate_and_quantize
 
-    The pipeline (fp32, dynamic shapes) generates from the textual-inversion prompt templates with
-    ``token`` in them, ``CALIBRATION_STEPS`` steps per image, until ``num_samples`` UNet calls are
-    recorded, and one VAE decoder call per image (optimum-intel's own collection would run 50 steps
-    at up to 512 px). NNCF's post-training quantization then sets each activation's int8 range from
-    them, leaving :data:`FLOAT_LAYERS` in floating point. The text encoder and the VAE encoder get
-    int8 weights if ``weight_format`` is "int8" and stay fp32 otherwise. Saved to ``save_dir``.
-
-    Returns:
-        What export_info.json records: samples, decoder samples, steps, resolution, seconds.
-    """
-    # imported here: nncf and optimum-intel's quantizer cost 8.0 s CPU on top of helpers.inference
-    # (measured with time.process_time); only quant_mode="int8" needs them
-    import nncf
-    from optimum.intel import (
-        OVConfig,
-        OVPipelineQuantizationConfig,
-        OVQuantizationConfig,
-        OVQuantizer,
-        OVWeightQuantizationConfig,
-    )
-    from optimum.intel.openvino.quantization import InferRequestWrapper
-
-    start = time.perf_counter()
-    size = resolution or pipe.unet.config["sample_size"] * pipe.vae_scale_factor
     images = -(-num_samples // CALIBRATION_STEPS)
     samples: list = []
     decoder_samples: list = []
@@ -335,7 +324,38 @@ def _calibrate_and_quantize(
         pipe.unet.request = pipe.unet.request.request
         pipe.vae_decoder.request = pipe.vae_decoder.request.request
         pipe.set_progress_bar_config(disable=False)
-    samples = samples[:num_samples]
+    return samples[:num_samples], decoder_samples
+
+
+def _calibrate_and_quantize(
+    pipe: Any, save_dir: Path, weight_format: str, token: str, num_samples: int, resolution: int | None
+) -> dict[str, Any]:
+    """Quantize ``pipe``'s UNet and VAE decoder to int8 weights and activations, calibrated on their inputs.
+
+    The pipeline (fp32, dynamic shapes) generates from the textual-inversion prompt templates with
+    ``token`` in them, ``CALIBRATION_STEPS`` steps per image, until ``num_samples`` UNet calls are
+    recorded, and one VAE decoder call per image (optimum-intel's own collection would run 50 steps
+    at up to 512 px). NNCF's post-training quantization then sets each activation's int8 range from
+    them, leaving :data:`FLOAT_LAYERS` in floating point. The text encoder and the VAE encoder get
+    int8 weights if ``weight_format`` is "int8" and stay fp32 otherwise. Saved to ``save_dir``.
+
+    Returns:
+        What export_info.json records: samples, decoder samples, steps, resolution, seconds.
+    """
+    # imported here: nncf and optimum-intel's quantizer cost 8.0 s CPU on top of helpers.inference
+    # (measured with time.process_time); only quant_mode="int8" needs them
+    import nncf
+    from optimum.intel import (
+        OVConfig,
+        OVPipelineQuantizationConfig,
+        OVQuantizationConfig,
+        OVQuantizer,
+        OVWeightQuantizationConfig,
+    )
+
+    start = time.perf_counter()
+    size = resolution or pipe.unet.config["sample_size"] * pipe.vae_scale_factor
+    samples, decoder_samples = _record_calibration(pipe, token, num_samples, size)
     quiet_weight_compression()
     others = OVWeightQuantizationConfig(bits=8) if weight_format == "int8" else None
     datasets = {"unet": samples, "vae_decoder": decoder_samples}

@@ -15,6 +15,7 @@ from helpers.inference.common import (
     PSNR_IDENTICAL_DB,
     TEXT_ENCODER_ATOL,
     InferenceInputError,
+    encoder_pairs,
 )
 from helpers.inference.generation import generate
 
@@ -33,34 +34,56 @@ class Parity:
         return self.text_encoder_max_abs_diff < TEXT_ENCODER_ATOL and self.image_psnr > IMAGE_PSNR_MIN_DB
 
 
-def prompt_ids(pipe: Any, prompt: str) -> torch.Tensor:
-    """Token ids the pipeline feeds its text encoder for ``prompt`` (multi-vector tokens expanded)."""
-    text = pipe.maybe_convert_prompt(prompt, pipe.tokenizer)
-    tok = pipe.tokenizer
+def prompt_ids(pipe: Any, prompt: str, encoder: int = 0) -> torch.Tensor:
+    """Token ids the pipeline feeds a text encoder for ``prompt`` (multi-vector tokens expanded).
+
+    Args:
+        encoder: which text encoder's tokenizer: 0, or 1 for SDXL's ``tokenizer_2``.
+    """
+    tok, _ = encoder_pairs(pipe)[encoder]
+    text = pipe.maybe_convert_prompt(prompt, tok)
     return tok(
         text, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt"
     ).input_ids
 
 
-def text_embeddings(pipe: Any, prompt: str) -> torch.Tensor:
-    """The text encoder's last hidden state for ``prompt``, shape ``[1, 77, hidden]``."""
+def text_embeddings(pipe: Any, prompt: str, encoder: int = 0) -> torch.Tensor:
+    """A text encoder's last hidden state for ``prompt``, shape ``[1, 77, hidden]``.
+
+    Args:
+        encoder: which text encoder: 0, or 1 for SDXL's ``text_encoder_2`` (whose first output is
+            the pooled projection, so the hidden state is read by name, for PyTorch and OpenVINO).
+    """
+    _, text_encoder = encoder_pairs(pipe)[encoder]
     with torch.inference_mode():
-        return pipe.text_encoder(prompt_ids(pipe, prompt))[0].float()
+        return torch.as_tensor(text_encoder(prompt_ids(pipe, prompt, encoder)).last_hidden_state).float()
 
 
 def text_encoder_max_abs_diff(pipe_a: Any, pipe_b: Any, prompt: str) -> float:
-    """Max abs difference of two pipelines' text-encoder outputs for ``prompt``.
+    """Max abs difference of two pipelines' text-encoder outputs for ``prompt``, over every text encoder.
 
     Raises:
-        InferenceInputError: the pipelines tokenize ``prompt`` differently (one lacks the concept).
+        InferenceInputError: the pipelines are of different families, or tokenize ``prompt``
+            differently (one lacks the concept, in one of its encoders).
     """
-    ids_a, ids_b = prompt_ids(pipe_a, prompt), prompt_ids(pipe_b, prompt)
-    if not torch.equal(ids_a, ids_b):
+    count = len(encoder_pairs(pipe_a))
+    if count != len(encoder_pairs(pipe_b)):
         raise InferenceInputError(
-            f"prompt {prompt!r} tokenizes differently in the two pipelines, so one of them lacks the learned "
-            f"token. Fix: load the same learned embeddings (or fine-tuned folder) into both."
+            "the two pipelines have different numbers of text encoders (an SD v1 and an SDXL pipeline). "
+            "Fix: compare an OpenVINO export with the PyTorch model it was exported from."
         )
-    return float((text_embeddings(pipe_a, prompt) - text_embeddings(pipe_b, prompt)).abs().max())
+    diffs = []
+    for i in range(count):
+        ids_a, ids_b = prompt_ids(pipe_a, prompt, i), prompt_ids(pipe_b, prompt, i)
+        if not torch.equal(ids_a, ids_b):
+            which = "" if count == 1 else f" (text encoder {i + 1} of {count})"
+            raise InferenceInputError(
+                f"prompt {prompt!r} tokenizes differently in the two pipelines{which}, so one of them lacks the "
+                f"learned token. Fix: load the same learned embeddings (or fine-tuned folder) into both."
+            )
+        diff = text_embeddings(pipe_a, prompt, i) - text_embeddings(pipe_b, prompt, i)
+        diffs.append(float(diff.abs().max()))
+    return max(diffs)
 
 
 def _pixels(images: Sequence[Any]) -> np.ndarray:

@@ -191,6 +191,45 @@ def _torchrun_argv(
     return (sys.executable, "-m", "torch.distributed.run", *flags, *rest)
 
 
+def _mpirun_argv(
+    layout: ClusterLayout,
+    flavour: MpiFlavour,
+    mpirun: str,
+    hostfile: str | os.PathLike,
+    env: Mapping[str, str],
+) -> tuple[list[str], dict[str, str], str]:
+    """mpirun's own part of the command line (before each rank's command), the variables for mpirun
+    itself, and how its output lines are tagged, for ``flavour`` (Hydra or Open MPI)."""
+    n, ppn = str(layout.world_size), str(layout.nproc_per_node)
+    launcher_env: dict[str, str] = {}
+    if flavour.hydra:
+        argv = [mpirun, "-l"]
+        argv += ["-hosts", "localhost"] if layout.is_local else ["-f", str(hostfile)]
+        argv += ["-n", n, "-ppn", ppn]
+        if layout.network_interface:
+            if flavour is MpiFlavour.INTEL:
+                launcher_env["I_MPI_HYDRA_IFACE"] = layout.network_interface
+            else:
+                argv += ["-iface", layout.network_interface]
+        for k, v in env.items():
+            argv += ["-genv", k, v]
+        tags = "hydra"
+    else:
+        argv = [mpirun, "--tag-output", "--bind-to", "none"]  # default binding pins each rank to one core
+        if os.geteuid() == 0:
+            argv.append("--allow-run-as-root")
+        argv += ["--host", f"localhost:{ppn}"] if layout.is_local else ["--hostfile", str(hostfile)]
+        argv += ["-n", n, "--npernode", ppn]
+        if layout.network_interface:
+            iface = layout.network_interface
+            argv += ["--mca", "btl_tcp_if_include", iface, "--mca", "oob_tcp_if_include", iface]
+        for k, v in env.items():
+            argv += ["-x", f"{k}={v}"]
+        argv += ["-x", "PATH"]  # Open MPI forwards nothing it is not told to
+        tags = "openmpi"
+    return argv, launcher_env, tags
+
+
 def launch_commands(
     layout: ClusterLayout,
     train_args: Sequence[str],
@@ -254,33 +293,7 @@ def launch_commands(
     rank_argv = (
         list(program) if program else accelerate_launch_argv(layout, entry, config_file, mixed_precision)
     )
-    n, ppn = str(layout.world_size), str(layout.nproc_per_node)
-    launcher_env: dict[str, str] = {}
-    if flavour.hydra:
-        argv = [mpirun, "-l"]
-        argv += ["-hosts", "localhost"] if layout.is_local else ["-f", str(hostfile)]
-        argv += ["-n", n, "-ppn", ppn]
-        if layout.network_interface:
-            if flavour is MpiFlavour.INTEL:
-                launcher_env["I_MPI_HYDRA_IFACE"] = layout.network_interface
-            else:
-                argv += ["-iface", layout.network_interface]
-        for k, v in env.items():
-            argv += ["-genv", k, v]
-        tags = "hydra"
-    else:
-        argv = [mpirun, "--tag-output", "--bind-to", "none"]  # default binding pins each rank to one core
-        if os.geteuid() == 0:
-            argv.append("--allow-run-as-root")
-        argv += ["--host", f"localhost:{ppn}"] if layout.is_local else ["--hostfile", str(hostfile)]
-        argv += ["-n", n, "--npernode", ppn]
-        if layout.network_interface:
-            iface = layout.network_interface
-            argv += ["--mca", "btl_tcp_if_include", iface, "--mca", "oob_tcp_if_include", iface]
-        for k, v in env.items():
-            argv += ["-x", f"{k}={v}"]
-        argv += ["-x", "PATH"]  # Open MPI forwards nothing it is not told to
-        tags = "openmpi"
+    argv, launcher_env, tags = _mpirun_argv(layout, flavour, mpirun, hostfile, env)
     return [
         LaunchCommand(argv=(*argv, *rank_argv, *train_args), env=launcher_env, output_tags=tags, notes=notes)
     ]

@@ -33,6 +33,10 @@ from helpers.training.config import parse_args as parse_train_args
 
 logger = logging.getLogger(__name__)
 
+FAILURE_GRACE_SECONDS = 5.0  # a rank that printed its error, to exit by itself before it is stopped
+
+JOB_LOG = "job.log"  # every rank's output, beside the status folder
+
 TRAIN_MODULES = ("helpers.train", "helpers.dreambooth")  # what every rank may run (--module)
 
 
@@ -50,6 +54,7 @@ class JobResult:
     supervision: str = ""  # why helpers.launch stopped them, outputs, their last lines
     outputs_complete: bool | None = None  # run_summary.json written (None: output_dir unknown)
     input_error: str = ""  # a launcher's own "error: ..." line before any rank started (exit code 2)
+    log_path: str | None = None  # every rank's output, tagged [rank]
 
     @property
     def ok(self) -> bool:
@@ -65,13 +70,13 @@ class JobResult:
         if self.ok:
             return f"job finished in {self.seconds:.1f} s"
         who = f"rank {self.failed_rank}" if self.failed_rank is not None else "the job"
-        text = f"{who} failed (exit code {self.returncode}, after {self.seconds:.1f} s): {self.error or 'no error text'}"
+        text = f"{who} failed after {self.seconds:.1f} s: {self.error or f'exit code {self.returncode}'}"
         if self.killed:
-            text += "\nthe other ranks did not stop on their own; helpers.launch stopped them"
+            text += "; helpers.launch stopped the other ranks"
+        if self.log_path:
+            return f"{text}. Every rank's output, tracebacks included: {self.log_path}"
         tail = self.tails.get(self.failed_rank, [])[-12:] if self.failed_rank is not None else []
-        if tail:
-            text += f"\nlast lines of rank {self.failed_rank}:\n  " + "\n  ".join(tail)
-        return text
+        return text + (f"\nlast lines of rank {self.failed_rank}:\n  " + "\n  ".join(tail) if tail else "")
 
     def raise_for_failure(self) -> None:
         """Raise :class:`JobFailed` with :meth:`message` unless the job succeeded."""
@@ -126,13 +131,17 @@ def run_job(
         commands: from :func:`prepare_job` (ranks report their status) or
             :func:`helpers.launching.commands.launch_commands`.
         stream: where rank 0's lines and the launchers' own lines go (default stdout).
-        exit_grace_seconds: once one rank has exited (or failed, or a command exited non-zero),
-            how long the others get to end before this stops the job.
+        exit_grace_seconds: once one rank has exited successfully, how long the others get to end
+            before this stops the job. A failure (a rank that exits without succeeding, killed
+            outright included, or a command exiting non-zero) stops the job at once; a rank that
+            printed its error gets :data:`FAILURE_GRACE_SECONDS` to exit by itself.
         stall_seconds: stop the job when a rank alive has reported no progress for this long.
         timeout: kill the job after this many seconds in all (None: no limit).
         ssh: the ssh command for commands that run on another host.
         cwd: working folder of the job (on every host).
-        log_path: also write every rank's lines, tagged ``[rank]``, to this file.
+        log_path: also write every rank's lines, tagged ``[rank]``, to this file (default: with
+            a status folder, ``job.log`` beside it, i.e. ``<output_dir>/launch/job.log``). Once the
+            job has failed, and for any traceback, the lines go there only, not to ``stream``.
 
     Returns:
         The :class:`JobResult`; call ``raise_for_failure()`` to turn a failure into an exception.
@@ -144,9 +153,11 @@ def run_job(
     cwd = os.path.abspath(cwd or os.getcwd())
     status_dir = commands[0].status_dir
     watcher = supervise.Watcher(supervise.prepare(status_dir)) if status_dir else None
+    if log_path is None and status_dir:
+        log_path = Path(status_dir).parent / JOB_LOG
+    log = _open_log(log_path) if log_path else None
     # Held until this function returns or this process dies: the ranks end themselves once it is free.
     held = supervise.hold_launcher_lock(status_dir) if status_dir else None
-    log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed below
     job = _Job(commands, Output(stream or sys.stdout, log), watcher, ssh)
     with supervise.signals_interrupt():  # TERM (a scheduler, kill) and HUP stop the job as Ctrl-C does
         try:
@@ -160,7 +171,25 @@ def run_job(
                 os.close(held)  # after stop(): a rank that sees it free now has been told already
             if log:
                 log.close()
-    return _job_result(job)
+    result = _job_result(job)
+    if status_dir:
+        ray_train.remove_private_folder(status_dir)  # a Ray driver killed while stopping left it
+    result.log_path = str(log_path) if log_path else None
+    return result
+
+
+def _open_log(path: str | os.PathLike) -> TextIO:
+    """The job's log, truncated; never through a link planted at its name (a run would overwrite
+    whatever file it points to)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        if not os.path.islink(path):
+            raise
+        raise DistributedError(
+            f"{path} is a symbolic link: remove it (the job writes its log there)"
+        ) from err
+    return os.fdopen(fd, "w")
 
 
 @dataclass
@@ -178,6 +207,8 @@ class _Job:
     verdict: tuple[list[int], str] | None = None  # the watcher's: ranks that did not end, and why
     killed: bool = False
     stopped_at: float = math.inf
+    failed_at: float | None = None  # when a rank exited without succeeding or a command exited non-zero
+    failed_rank: int | None = None  # the first rank known to have failed (its status report)
 
     def stop(self) -> None:
         """Stop every process here and every rank still alive (on other hosts over ssh)."""
@@ -210,7 +241,7 @@ def _supervise(job: _Job, exit_grace_seconds: float, stall_seconds: float, timeo
         now = time.monotonic()
         why = _reason_to_stop(job, now, exit_grace_seconds, stall_seconds, timeout)
         if why:
-            logger.warning("stopping the job: %s", why)
+            job.out.aside(f"helpers.launch: stopping the job: {why}")  # the final message says it
             job.stop()
             job.killed, job.stopped_at = True, now
         if all(p.poll() is not None for p in job.procs):
@@ -223,18 +254,35 @@ def _reason_to_stop(
     job: _Job, now: float, exit_grace_seconds: float, stall_seconds: float, timeout: float | None
 ) -> str | None:
     """Poll the ranks' status and the processes; say why the job must be stopped now (None: it need not)."""
-    if job.watcher is not None and not job.killed:
+    if job.killed:
+        return None
+    out = job.out
+    if job.watcher is not None:
         job.watcher.poll(now)
+        failed = job.watcher.failures()
+        if failed and job.failed_rank is None:
+            job.failed_rank, job.failed_at = failed[0], job.failed_at or now
         job.verdict = job.watcher.verdict(
             now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in job.procs)
         )
-    out = job.out
-    if out.failure_seen_at is None and any(p.poll() for p in job.procs):
-        out.failure_seen_at = now  # a command exited non-zero
-    overdue = out.failure_seen_at is not None and now - out.failure_seen_at > exit_grace_seconds
-    if job.killed or not (job.verdict or overdue or (timeout and now - job.start > timeout)):
+    if job.failed_at is None and any(p.poll() for p in job.procs):
+        job.failed_at = now  # a command exited non-zero
+    if job.failed_at is not None:
+        out.failure_seen_at = out.failure_seen_at or job.failed_at
+        out.quiet = True
+        if _anything_alive(job):  # a failed job does not wait: its other ranks would only hang
+            who = f"rank {job.failed_rank}" if job.failed_rank is not None else "a command"
+            return f"{who} failed"
         return None
-    return job.verdict[1] if job.verdict else "a rank failed" if overdue else f"timeout of {timeout} s"
+    errored = out.failure_seen_at is not None and now - out.failure_seen_at > FAILURE_GRACE_SECONDS
+    if job.verdict or errored or (timeout and now - job.start > timeout):
+        return job.verdict[1] if job.verdict else "a rank failed" if errored else f"timeout of {timeout} s"
+    return None
+
+
+def _anything_alive(job: _Job) -> bool:
+    """A command still running here, or a rank (here or on another host) that has not exited."""
+    return any(p.poll() is None for p in job.procs) or bool(_alive_ranks(job.watcher))
 
 
 def _job_result(job: _Job) -> JobResult:
@@ -242,7 +290,7 @@ def _job_result(job: _Job) -> JobResult:
     for p in job.procs:
         p.wait()
     code = next((p.returncode for p in job.procs if p.returncode), 0)
-    if job.killed and code == 0:
+    if job.killed and code <= 0:  # a command it stopped (TERM, then KILL) ends with a signal of ours: 1
         code = 1
     out, verdict = job.out, job.verdict
     result = JobResult(code, time.monotonic() - job.start, killed=job.killed, input_error=out.input_error,
@@ -258,7 +306,7 @@ def _job_result(job: _Job) -> JobResult:
     failed_before_stop = out.failure_seen_at is not None and out.failure_seen_at < job.stopped_at
     if result.returncode and (not verdict or failed_before_stop):  # not the errors of ranks it stopped
         result.failed_rank, result.error = diagnose(
-            out.errors, out.first_traceback, "\n".join(out.launcher_lines)
+            out.errors, out.first_traceback, "\n".join(out.launcher_lines), rank=job.failed_rank
         )
     return result
 
@@ -307,18 +355,19 @@ def prepare_job(
     """
     config = _parse_train_flags(module, train_args)
     backend = resolve_backend(backend)
-    if launcher == "ray" and module != "helpers.train":
-        raise DistributedError(
-            f"--launcher ray runs helpers.train only; run {module} with mpirun or torchrun"
-        )
     output_dir = Path(config.output_dir).resolve()
     work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
+    for path in (work_dir, work_dir / "status", work_dir / JOB_LOG):  # emptied or written at every start
+        if path.is_symlink():
+            raise DistributedError(
+                f"{path} is a symbolic link: remove it, or pass another --work_dir (the job empties and writes it)"
+            )
     status_dir = str((work_dir / "status").resolve())
     if launcher == "ray":
         commands = [ray_train.driver_command(
             train_args, nproc_per_node=layout.nproc_per_node, num_nodes=num_nodes, ray_address=ray_address,
             threads_per_process=int(layout.threads_per_process or 1), work_dir=work_dir, status_dir=status_dir,
-            backend=backend,
+            backend=backend, module=module,
         )]  # fmt: skip
     else:
         configs = accelerate_config.write_accelerate_configs(layout, work_dir, config.mixed_precision)

@@ -63,7 +63,9 @@ class ClusterLayout:
         main_process_ip: address rank 0 listens on (default: ``127.0.0.1`` when every host is
             this machine, else the first host).
         main_process_port: TCP port of the rendezvous; must be open between the nodes. 0 picks one
-            that is free on this machine now (run from the head node, as mpirun is).
+            that is free on this machine now (run from the head node, as mpirun is). None (the
+            default): that on this machine alone, so two jobs side by side never meet on one
+            port; :data:`DEFAULT_PORT` across machines (open it between them).
         network_interface: NIC the nodes talk over (e.g. ``eth0``); None lets MPI and gloo choose.
         threads_per_process: intra-op threads of each process (default: physical cores of this
             machine // ``nproc_per_node``, nodes assumed alike). Always set explicitly on the ranks.
@@ -72,7 +74,7 @@ class ClusterLayout:
     hosts: tuple[str, ...]
     nproc_per_node: int = 1
     main_process_ip: str | None = None
-    main_process_port: int = DEFAULT_PORT
+    main_process_port: int | None = None
     network_interface: str | None = None
     threads_per_process: int | None = None
 
@@ -90,6 +92,9 @@ class ClusterLayout:
             raise DistributedError(
                 f"nproc_per_node={self.nproc_per_node!r}: must be an integer of at least 1"
             )
+        if self.main_process_port is None:
+            local = all(is_local_host(h) for h in hosts)
+            object.__setattr__(self, "main_process_port", 0 if local else DEFAULT_PORT)
         if not 0 <= int(self.main_process_port) <= 65535:
             raise DistributedError(
                 f"main_process_port={self.main_process_port}: must be a TCP port, 1-65535, "

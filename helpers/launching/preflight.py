@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from helpers.core.errors import DistributedError
 from helpers.launching.layout import ClusterLayout, is_local_host
 
 PREFLIGHT_PACKAGES = (
@@ -85,6 +87,37 @@ def _probe(host: str, request: dict, ssh: Sequence[str], timeout: float) -> tupl
         if line.startswith("PROBE "):
             return json.loads(line[len("PROBE ") :]), "", 0
     return None, (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1], out.returncode
+
+
+def check_port(layout: ClusterLayout, ssh: Sequence[str] = ("ssh",), timeout: float = 10.0) -> None:
+    """Refuse a rendezvous port that is in use on the main host, before any rank starts.
+
+    Without this check a busy port fails the job a minute later in every rank's tracebacks. The
+    main host is this machine (a bind, as rank 0 will) or another reached over ssh (the probe of
+    :func:`preflight`; a host that cannot be reached is :func:`preflight`'s to report).
+
+    Raises:
+        DistributedError: the port is in use; one line naming it and the fix.
+    """
+    head = layout.main_process_ip if layout.main_process_ip in layout.hosts else layout.hosts[0]
+    port = int(layout.main_process_port)
+    if layout.main_process_ip in ("127.0.0.1", "localhost") or is_local_host(head):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+                return
+            except OSError:
+                where = "this machine"
+    else:
+        got, _, _ = _probe(head, {"packages": [], "paths": [], "port": port}, ssh, timeout)
+        if got is None or got["port_free"] is not False:
+            return
+        where = head
+    raise DistributedError(
+        f"--main_process_port {port} is in use on {where} (another job?): pass another free port, or leave "
+        "the flag out on one machine (a free port is then picked)"
+    )
 
 
 def preflight(

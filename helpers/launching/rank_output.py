@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import time
 from collections import deque
 from typing import TextIO
@@ -62,41 +63,85 @@ _LAUNCHER_REPORTS = (  # (rank, reason) in the launchers' own failure summaries
 )
 
 
+OOM_HINT = "for example by the out-of-memory killer"
+SILENT_END = f"it ended without an error message, as a process killed outright does (SIGKILL, {OOM_HINT})"
+
+
+def killed_by(signum: int) -> str:
+    """How a person reads a rank's death by signal ``signum``."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return f"killed by {name}, {OOM_HINT}" if signum == signal.SIGKILL else f"killed by {name}"
+
+
+# A signal in the launchers' words: Hydra's "KILLED BY SIGNAL: 9", torchrun's "exitcode : -9",
+# Open MPI's "Signal: 9", subprocess's "died with <Signals.SIGKILL: 9>".
+_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)|^-(\d+)\b|Signal:\s*(\d+)|died with <Signals\.\w+: (\d+)>")
+
+
 def _shorten(error: str) -> str:
     """``CalledProcessError: Command '[...]' died with <Signals.SIGKILL: 9>.`` -> the gist."""
-    m = re.search(r"died with <Signals\.(\w+): \d+>|returned non-zero exit status (-?\d+)", error)
+    m = re.search(r"died with <Signals\.\w+: (\d+)>|returned non-zero exit status (-?\d+)", error)
     if not m or not any(w in error for w in _WRAPPERS):
         return error
     return (
-        f"the training process was killed by {m[1]}"
+        f"the training process was {killed_by(int(m[1]))}"
         if m[1]
         else f"the training process exited with code {m[2]}"
     )
 
 
+def _launcher_words(reason: str) -> str:
+    """A launcher's report of a rank's end, with a signal said as :func:`killed_by` says it."""
+    reason = reason.strip()
+    m = _SIGNAL.search(reason)
+    return (
+        f"{killed_by(int(next(g for g in m.groups() if g)))} (the launcher reports {reason})"
+        if m
+        else (f"the launcher reports {reason}")
+    )
+
+
+def _stopped_by_us(reason: str) -> bool:
+    """A launcher's report of SIGTERM for the rank known to have failed is the stop helpers.launch
+    sent its wrapper (``accelerate launch``) after the rank itself had died, not the cause."""
+    m = _SIGNAL.search(reason.strip())
+    return bool(m) and int(next(g for g in m.groups() if g)) == signal.SIGTERM
+
+
 def diagnose(
-    errors: dict[int, list[str]], first_seen: dict[int, float], launcher_text: str
+    errors: dict[int, list[str]], first_seen: dict[int, float], launcher_text: str, rank: int | None = None
 ) -> tuple[int | None, str]:
     """Pick the rank that failed first and its root error.
 
     A rank's root error is its first exception line that is not a launcher re-raising it; ranks
     whose error says a peer went away failed because of another rank, so they come last.
     Without any exception line, the launcher's own summary (Hydra, Open MPI, torchrun) decides.
+
+    Args:
+        errors, first_seen: :class:`Output`'s exception lines and first traceback times per rank.
+        launcher_text: the launchers' own lines.
+        rank: the rank known to have failed first (its status report), if one is: its own error,
+            else its launcher's report of it, else :data:`SILENT_END`.
     """
     candidates = []
-    for rank, lines in errors.items():
+    for r, lines in errors.items():
         own = [ln for ln in lines if not any(w in ln for w in _WRAPPERS)]
         error = (own or lines)[0]
-        candidates.append(
-            (bool(SECONDARY.search(error)), first_seen.get(rank, math.inf), rank, _shorten(error))
-        )
+        candidates.append((bool(SECONDARY.search(error)), first_seen.get(r, math.inf), r, _shorten(error)))
+    if rank is not None:
+        candidates = [c for c in candidates if c[2] == rank]
     best = min(candidates) if candidates else None
     if best and not best[0]:
         return best[2], best[3]
     for pattern in _LAUNCHER_REPORTS:  # a rank killed outright prints nothing: its launcher knows
-        m = pattern.search(launcher_text)
-        if m:
-            return int(m["rank"]), f"the launcher reports {m['reason'].strip()}"
+        for m in pattern.finditer(launcher_text):
+            if rank is None or (int(m["rank"]) == rank and not _stopped_by_us(m["reason"])):
+                return int(m["rank"]), _launcher_words(m["reason"])
+    if rank is not None:
+        return rank, best[3] if best else SILENT_END
     return (best[2], best[3]) if best else (None, "")
 
 
@@ -113,6 +158,8 @@ class Output:
         self.redrawing: dict[int, int] = {}  # command -> local rank whose last piece ended in "\r"
         self.ray_ranks: dict[int, int] = {}  # Ray worker pid -> rank
         self.input_error = ""  # the first "error: ..." line of a launcher itself (not of a rank)
+        self.quiet = False  # the job failed: nothing more on the screen, every line to the log
+        self.in_traceback: set[int | None] = set()  # ranks (None: the launchers) inside a traceback
 
     def feed(self, index: int, cmd: LaunchCommand, text: str, end: str) -> None:
         """Take one piece of a command's output (``end`` is ``\\n`` or ``\\r``)."""
@@ -164,6 +211,10 @@ class Output:
             self.ray_ranks[pid] = int(worker[1])
         self._line(self.ray_ranks.get(pid), body, end)
 
+    def aside(self, text: str) -> None:
+        """A line of the launcher's own for the log, not the screen."""
+        self._aside(text, "\n")
+
     def _aside(self, body: str, end: str) -> None:
         """A line kept for the log and for diagnosis, not shown."""
         if self.log:
@@ -171,20 +222,23 @@ class Output:
         self.launcher_lines.append(body)
 
     def _line(self, rank: int | None, body: str, end: str) -> None:
+        """One piece of output: to the log, to the screen (rank 0's and the launchers', never a
+        traceback nor anything once the job has failed: the log has them), and read for errors."""
         if self.log:
             self.log.write(body + end if rank is None else f"[{rank}] {body}{end}")
-        if rank is None:
-            self.launcher_lines.append(body)
-            self.stream.write(body + end)
-            return
-        if rank == 0:
-            self.stream.write(body + end)
-        if end != "\r":  # progress-bar redraws are not worth keeping
-            self.tails.setdefault(rank, deque(maxlen=40)).append(body)
         clean = _TORCH_RANK_PREFIX.sub("", body).strip()
         if clean.startswith("Traceback (most recent call last)"):
+            self.in_traceback.add(rank)
+        if rank is None:
+            self.launcher_lines.append(body)
+        elif end != "\r":  # progress-bar redraws are not worth keeping
+            self.tails.setdefault(rank, deque(maxlen=40)).append(body)
+        if rank is not None and clean.startswith("Traceback (most recent call last)"):
             self.first_traceback.setdefault(rank, time.monotonic())
-        elif _EXCEPTION.match(clean):
+        elif rank is not None and _EXCEPTION.match(clean):
             self.errors.setdefault(rank, []).append(clean)
             if rank in self.first_traceback or clean.startswith("error: "):
                 self.failure_seen_at = self.failure_seen_at or time.monotonic()
+                self.quiet = True
+        if rank in (None, 0) and not self.quiet and rank not in self.in_traceback:
+            self.stream.write(body + end)

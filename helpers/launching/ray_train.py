@@ -3,7 +3,7 @@
 ::
 
     python -m helpers.launch --launcher ray --nproc_per_node N [--num_nodes M] \\
-        [--ray_address auto|HOST:PORT] -- <helpers.train flags>
+        [--ray_address auto|HOST:PORT] [--module helpers.dreambooth] -- <its flags>
 
 :mod:`helpers.launch` checks the options, then starts this module's **driver**
 (``python -m helpers.launching.ray_train``) as one supervised command, exactly as it starts ``mpirun``:
@@ -19,29 +19,20 @@ The driver
 * checks, within seconds, what would otherwise hang or fail late: the cluster's Ray version
   against this one (Ray's own check, turned into one line), the Ray, torch and Python versions of
   every node, and enough CPUs for ``N x M`` workers of ``threads_per_process`` CPUs each;
-* runs ``TorchTrainer`` with ``N x M`` workers (``resources_per_worker={"CPU": threads}``,
-  gloo: ``TorchConfig(backend="ccl")`` cannot work, Ray's workers call ``init_process_group`` before
-  any code of ours runs in them, so ``ccl`` is not registered there yet). Ray sets up the process group and the variables ``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` and
-  ``ACCELERATE_TORCH_DEVICE`` before the worker function runs; accelerate's ``Accelerator(cpu=True)``
-  then sees a multi-CPU job whose group already exists and uses it instead of creating one
-  (``PartialState`` only calls ``init_process_group`` when ``torch.distributed`` is not
-  initialised), so each worker calls the same ``train(TrainConfig)`` as ``helpers.train`` does;
+* runs ``TorchTrainer`` with ``N x M`` workers (``resources_per_worker={"CPU": threads}``, gloo:
+  Ray's workers call ``init_process_group`` before any code of ours runs in them, so ``ccl`` is not
+  registered there yet); each worker runs the engine (:mod:`helpers.launching.ray_worker`);
 * on ``--backend ccl`` (or ``auto`` where it is built) the workers get ``WORKSHOP_BACKEND=ccl`` and
   oneCCL's variables, and :func:`helpers.ranks.backend.init_backend` (the engine calls it before
   ``Accelerator()``) replaces Ray's gloo group by a ccl one with the same ranks (tested:
   ``tests/launching/test_launch.py``, the Ray run of ``engine_runs``);
-* shows one progress bar fed by ``ray.train.report`` (each worker reports step, loss and
-  images/s after every optimizer step), and writes what was reported, the start-up times and the
-  nodes' versions to ``<work_dir>/ray_run.json``. The engine's own outputs, ``history.json``
-  included, are written once by rank 0, as with the other launchers;
+* shows one progress bar fed by ``ray.train.report`` (each worker follows the engine's events and
+  reports step, loss and images/s: :mod:`helpers.launching.ray_worker`), and writes what was
+  reported, the start-up times and the nodes' versions to ``<work_dir>/ray_run.json``. The
+  engine's own outputs, ``history.json`` included, are written once by rank 0, as with the other
+  launchers;
 * on every path (success, failure, Ctrl-C, SIGTERM from the launcher) calls ``ray.shutdown()``
   and ends what is left of a private runtime (``gcs_server``, ``raylet``, workers).
-
-Where the loss comes from: the engine exposes no per-step callback; it reports each step to
-:mod:`helpers.launching.supervise` (step only) and shows the mean loss on rank 0's progress bar. A worker
-listens to the beats, reads the loss from that bar (4 decimals, what the bar shows) and sends
-the engine's exact history with its last report.
 
 Not testable here: a Ray cluster of several machines (tests join a two-node cluster whose nodes
 are two raylets on this machine), and the Azure nodes' ``ray start`` (rendered and checked as
@@ -65,23 +56,28 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from helpers.core.errors import DistributedError, InputError
 from helpers.core.files import write_text_atomic
+from helpers.dreambooth.config import parse_args as parse_dreambooth_args
 from helpers.launching import supervise
 from helpers.launching.commands import LaunchCommand, backend_notes, backend_variables
 from helpers.launching.layout import ClusterLayout
-from helpers.launching.rank_output import FAILED_TAG, SECONDARY, WORKER_TAG
-from helpers.ranks import faults, status
+from helpers.launching.rank_output import FAILED_TAG, SECONDARY
+from helpers.launching.ray_reports import Reports, first_line, sink_reports
+from helpers.ranks import status
 from helpers.ranks.backend import BACKEND_ENV, BACKENDS
-from helpers.training.config import TrainConfig
 from helpers.training.config import parse_args as parse_train_args
+
+TRAIN = "helpers.train"
+PARSERS = {TRAIN: parse_train_args, "helpers.dreambooth": parse_dreambooth_args}
+"""What a worker may run (``--module``), and how the driver reads its flags."""
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +86,6 @@ VERSIONS = ("ray", "torch")  # must be the same on every node (and Python)
 CONNECT_SECONDS = 3.0  # to decide that nothing answers at --ray_address
 SHUTDOWN_SECONDS = 30.0  # for ray.shutdown() before the private runtime is killed
 INIT_SECONDS = 180.0  # for ray.init() (many times what a loaded 2-core machine took)
-REPORT_SECONDS = 2.0  # at most one report per this many seconds (see _StepReporter)
 
 # Set in the driver before Ray is imported; a private runtime's processes inherit them, and the
 # RAY_TRAIN_* ones reach the Train controller.
@@ -106,8 +101,6 @@ DRIVER_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1",  # the controller takes reports (and sees deaths) each second
     "PYTHONUNBUFFERED": "1",
 }
-_PREFIX = re.compile(r"\((?P<actor>[A-Za-z_]\w*) pid=(?P<pid>\d+)(?:, ip=[^)]*)?\) ")
-"""The prefix Ray puts before each line it forwards from an actor to the driver."""
 
 
 class RayLaunchError(DistributedError, InputError):
@@ -201,13 +194,17 @@ def driver_command(
     work_dir: str | os.PathLike,
     status_dir: str,
     backend: str = "gloo",
+    module: str = TRAIN,
 ) -> LaunchCommand:
-    """The one command :func:`helpers.launch.run_job` starts for a Ray job: this module's driver."""
+    """The one command :func:`helpers.launch.run_job` starts for a Ray job: this module's driver
+    (``module``: what every worker runs, ``helpers.train`` or ``helpers.dreambooth``)."""
     argv = [sys.executable, "-m", "helpers.launching.ray_train", "--nproc_per_node", str(nproc_per_node),
             "--num_nodes", str(num_nodes), "--threads_per_process", str(threads_per_process),
             "--work_dir", str(Path(work_dir).resolve()), "--status_dir", status_dir, "--backend", backend]  # fmt: skip
     if ray_address:
         argv += ["--ray_address", ray_address]
+    if module != TRAIN:
+        argv += ["--module", module]
     notes = backend_notes(worker_backend_variables(nproc_per_node, num_nodes, threads_per_process, backend))
     return LaunchCommand(argv=(*argv, "--", *map(str, train_args)), output_tags="ray", notes=notes)
 
@@ -220,195 +217,7 @@ def worker_backend_variables(
     return backend_variables(layout, backend, nodes=num_nodes)
 
 
-# --- the worker: one rank of the engine in a Ray Train worker ---------------------------------------------
-
-_LOSS = re.compile(r"loss=([-+0-9.eE]+|nan|inf)")
-
-
-class _BarReader:
-    """Stands in for the worker's stderr: drops the engine's progress-bar redraws (the driver shows
-    the one bar) and keeps the loss the last redraw showed."""
-
-    def __init__(self, stream: TextIO):
-        self.stream, self.loss, self._redrawn = stream, None, False
-
-    def write(self, text: str) -> int:
-        if "\r" in text:
-            found = _LOSS.findall(text)
-            self.loss = float(found[-1]) if found else self.loss
-            self._redrawn = True
-            return len(text)
-        if text == "\n" and self._redrawn:  # the bar's closing newline
-            self._redrawn = False
-            return len(text)
-        self._redrawn = False
-        return self.stream.write(text)
-
-    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding...
-        return getattr(self.stream, name)
-
-
-@dataclass
-class _StepReporter:
-    """A :mod:`helpers.launching.supervise` listener: ``ray.train.report`` of step, loss and images/s.
-
-    Ray's report is a barrier (every worker must call it equally often) and a worker may be only
-    one report ahead of the Train controller, which takes reports once per health check (1 s):
-    a report at every 0.1-s step of a small model would hold every step up to a second. So rank 0
-    decides after each step whether a report is due (its first step, the last, or
-    ``REPORT_SECONDS`` since the last report) and broadcasts the decision (4 bytes over the
-    job's process group, after the engine's own all-reduce), and every worker reports at that step.
-    Rank 0's loss is read from its progress bar; the seconds per step are averaged since the
-    last report.
-    """
-
-    rank: int
-    images_per_step: int
-    max_steps: int | None
-    bar: _BarReader
-    started_at: float = field(default_factory=time.time)
-    _last_report: float | None = None
-    _last_step: int | None = None
-
-    def __call__(self, state: str, step: int | None) -> None:
-        if state != "training" or step is None:
-            return
-        import ray.train
-        import torch
-        import torch.distributed as dist
-
-        now = time.perf_counter()
-        if self._last_report is None:  # the first step of this run: time from here on
-            self._last_report, self._last_step = now, step
-            due = True
-        else:
-            due = step == self.max_steps or now - self._last_report >= REPORT_SECONDS
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([int(due)], dtype=torch.int32)
-            dist.broadcast(flag, src=0)
-            due = bool(flag.item())
-        if not due:
-            return
-        steps = step - self._last_step
-        seconds = (now - self._last_report) / steps if steps else None
-        self._last_report, self._last_step = now, step
-        ray.train.report({
-            "step": step, "loss": self.bar.loss, "seconds_per_step": seconds, "rank": self.rank,
-            "images_per_second": self.images_per_step / seconds if seconds else None,
-            "started_at": self.started_at,
-        })  # fmt: skip
-
-
-def train_worker(job: dict) -> None:
-    """The function every Ray Train worker runs: the engine's ``train(TrainConfig)``, unchanged.
-
-    Args:
-        job: ``config`` (``TrainConfig.to_dict()``), ``env`` (variables to set first: the status
-            folder, ``OMP_NUM_THREADS``), ``images_per_step``.
-    """
-    started_at = time.time()
-    # imported here: ray.train costs 3.3 s CPU and the engine (diffusers, accelerate) 3.0 s on top of
-    # helpers.launch (measured with time.process_time); only the Ray workers run this, not the launcher
-    import ray.train
-
-    from helpers.training.textual_inversion import train
-
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    os.environ.update(job["env"])
-    node = ray.util.get_node_ip_address()
-    print(
-        f"{WORKER_TAG} rank {rank} of {world}, pid {os.getpid()}, node {node} ({socket.gethostname()})",
-        flush=True,
-    )  # noqa: T201 - the launcher maps this pid to the rank
-    _quiet()
-    status.start()
-    bar = _BarReader(sys.stderr)
-    reporter = _StepReporter(rank, job["images_per_step"], job["config"]["max_train_steps"], bar, started_at)
-    status.add_listener(reporter)
-    sys.stderr = bar  # tqdm takes sys.stderr when the engine creates its bar
-    try:
-        result = train(TrainConfig.from_dict(job["config"]))
-    finally:
-        sys.stderr = bar.stream
-        status.remove_listener(reporter)
-    print(f"learned embeddings: {result.learned_embeds_path}", flush=True)  # noqa: T201
-    faults.hang_after_training(rank)  # test-only
-    status.finish()  # this rank has ended; the actor's process lives on until Ray stops it
-    final = {"final": True, "rank": rank}
-    if rank == 0:
-        final.update(history=result.history, summary=result.summary)
-    ray.train.report(final)
-
-
-def _quiet() -> None:
-    """A line per checkpoint file (accelerate) and per report (Ray Train) is noise here."""
-    logging.getLogger("accelerate").setLevel(logging.WARNING)
-    with contextlib.suppress(ImportError):  # Ray Train names this module's logger by its file
-        from ray.train.v2._internal.execution import context
-
-        logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
 # --- the driver ---------------------------------------------------------------------------------------
-
-
-def _sink_reports(path: str):
-    """A ``ray.train.UserCallback`` (it runs in the Train controller, on the driver's node) that
-    appends every report and worker failure to ``path`` as JSON lines, for the driver to read."""
-    from ray.train import UserCallback
-
-    class ReportSink(UserCallback):
-        def __init__(self, path: str):
-            self.path = path
-
-        def _append(self, record: dict) -> None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record, default=repr) + "\n")
-
-        def after_report(self, run_context, metrics, checkpoint) -> None:
-            self._append({"reports": metrics})
-
-        def after_exception(self, run_context, worker_exceptions) -> None:
-            self._append({"failures": {str(r): _first_line(e) for r, e in worker_exceptions.items()}})
-
-    return ReportSink(path)
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
-class _Reports:
-    """Reads the report sink's new complete lines."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.rows, self.failures = path, 0, [], {}
-        self.final: dict = {}
-
-    def read(self) -> list[dict]:
-        """New per-step rows of rank 0 since the last call."""
-        try:
-            with open(self.path) as f:
-                f.seek(self.offset)
-                text = f.read()
-        except FileNotFoundError:
-            return []
-        complete = text[: text.rfind("\n") + 1]
-        self.offset += len(complete.encode())
-        new = []
-        for line in complete.splitlines():
-            record = json.loads(line)
-            self.failures.update(record.get("failures", {}))
-            reports = record.get("reports") or []
-            first = reports[0] if reports else {}
-            if first.get("final"):
-                self.final = first
-            elif first:
-                new.append(first)
-        self.rows += new
-        return new
 
 
 @dataclass
@@ -456,12 +265,29 @@ def kill_processes(procs: list, wait: float = 5.0) -> None:
     psutil.wait_procs(procs, timeout=wait)
 
 
+PRIVATE_FOLDER_NOTE = "ray_temp_dir"  # in the status folder: the private runtime's folder
+
+
 def _runtime(args: argparse.Namespace) -> _Runtime:
     """What this driver will use: ``--ray_address``, or a private runtime in a fresh ``/tmp/ray-*``
-    (short: Ray's socket paths must stay under 108 characters)."""
+    (short: Ray's socket paths must stay under 108 characters; Ray's own ``RAY_TMPDIR`` moves it).
+    The folder is noted in the status folder, for :func:`remove_private_folder`."""
     if args.ray_address is None:
-        return _Runtime(None, Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")))
+        folder = Path(tempfile.mkdtemp(prefix="ray-", dir=os.environ.get("RAY_TMPDIR", "/tmp")))
+        write_text_atomic(Path(args.status_dir) / PRIVATE_FOLDER_NOTE, str(folder))
+        return _Runtime(None, folder)
     return _Runtime(args.ray_address)
+
+
+def remove_private_folder(status_dir: str | os.PathLike) -> None:
+    """helpers.launch, once every process of the job has ended: remove the private runtime's folder
+    if the driver could not (it was killed, e.g. when stopping took longer than the grace)."""
+    note = Path(status_dir) / PRIVATE_FOLDER_NOTE
+    with contextlib.suppress(OSError):
+        folder = Path(note.read_text())
+        if folder.name.startswith("ray-") and folder.parent == Path(os.environ.get("RAY_TMPDIR", "/tmp")):
+            shutil.rmtree(folder, ignore_errors=True)
+        note.unlink()
 
 
 def _connect(args: argparse.Namespace, runtime: _Runtime) -> None:
@@ -560,9 +386,10 @@ def check_nodes(nodes: list[dict], nproc_per_node: int, num_nodes: int, threads:
 
 def _absolute(config) -> None:
     """Paths relative to the folder the job was started from, as the other launchers read them."""
-    for name in ("train_data_dir", "output_dir", "resume_from_checkpoint", "pretrained_model_name_or_path"):
-        value = getattr(config, name)
-        if value and value != "latest" and (name in ("train_data_dir", "output_dir") or Path(value).exists()):
+    folders = ("train_data_dir", "instance_data_dir", "class_data_dir", "output_dir")
+    for name in (*folders, "resume_from_checkpoint", "pretrained_model_name_or_path"):
+        value = getattr(config, name, None)
+        if value and value != "latest" and (name in folders or Path(value).exists()):
             setattr(config, name, str(Path(value).resolve()))
 
 
@@ -573,6 +400,16 @@ def _status(status_dir: str, rank: int) -> dict:
         return {}
 
 
+def _job(args: argparse.Namespace, config) -> dict:
+    """What every worker is handed: the settings, and the variables to set before the engine starts."""
+    threads = args.threads_per_process
+    variables = worker_backend_variables(args.nproc_per_node, args.num_nodes, threads, args.backend)
+    env = {status.STATUS_DIR_ENV: args.status_dir, "OMP_NUM_THREADS": str(threads), BACKEND_ENV: args.backend,
+           "TQDM_DISABLE": "1"}  # fmt: skip  # the driver shows the one bar
+    return {"module": args.module, "config": config.to_dict(),
+            "env": {**env, **{name: value for name, value, _ in variables}}}  # fmt: skip
+
+
 def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
     """Run the TorchTrainer, show the progress bar, write ``ray_run.json``; return the exit code."""
     # imported here: ray.train and ray.train.torch cost 3.6 s CPU on top of helpers.launch (measured
@@ -580,7 +417,9 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    config = parse_train_args(list(args.train_args))
+    from helpers.launching.ray_worker import train_worker  # the engine's events: accelerate, torch
+
+    config = PARSERS[args.module](list(args.train_args))
     _absolute(config)
     threads, world = args.threads_per_process, args.nproc_per_node * args.num_nodes
     nodes = node_versions()
@@ -589,46 +428,19 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     sink = work_dir / "ray_reports.jsonl"
     sink.unlink(missing_ok=True)
-    variables = worker_backend_variables(args.nproc_per_node, args.num_nodes, threads, args.backend)
-    env = {status.STATUS_DIR_ENV: args.status_dir, "OMP_NUM_THREADS": str(threads), BACKEND_ENV: args.backend}
-    job = {
-        "config": config.to_dict(),
-        "env": {**env, **{name: value for name, value, _ in variables}},
-        "images_per_step": config.train_batch_size * config.gradient_accumulation_steps * world,
-    }
     trainer = TorchTrainer(
-        train_worker, train_loop_config=job, torch_config=TorchConfig(backend="gloo"),
+        train_worker, train_loop_config=_job(args, config), torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=world, use_gpu=False, resources_per_worker={"CPU": threads},
                                      placement_strategy="PACK"),
         run_config=RunConfig(name="helpers-ray-launch", storage_path=str(work_dir / "ray_results"),
-                             failure_config=FailureConfig(max_failures=0), callbacks=[_sink_reports(str(sink))]),
+                             failure_config=FailureConfig(max_failures=0), callbacks=[sink_reports(str(sink))]),
     )  # fmt: skip
-    outcome: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as err:  # noqa: BLE001 - handed to the main thread
-            outcome["error"] = err
-
     print(f"helpers.launching.ray_train: Ray {ray_version()} {'joined at ' + runtime.address if runtime.address else 'started on this machine'} "  # noqa: T201
           f"in {runtime.init_seconds:.1f} s; {world} worker(s) x {threads} CPU(s), nodes: "
           + ", ".join(f"{n['node']} ({n['cpus']:g} CPUs)" for n in nodes), flush=True)  # fmt: skip
     fit_started = time.time()
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-    thread.start()
-    reports = _Reports(sink)
-    bar = tqdm(total=config.max_train_steps, desc="textual inversion (ray)", unit="step", file=sys.stderr)
-    while thread.is_alive():
-        thread.join(0.5)
-        for row in reports.read():
-            bar.update(row["step"] - bar.n)
-            shown = {"loss": f"{row['loss']:.4f}" if row.get("loss") is not None else "?"}
-            if row.get("images_per_second"):
-                shown["img/s"] = f"{row['images_per_second']:.2f}"
-            bar.set_postfix(shown)
-    reports.read()
-    bar.close()
+    reports = Reports(sink)
+    error = _fit(trainer, reports, config.max_train_steps)
     rows = reports.rows
     startup = {
         "ray_init_seconds": round(runtime.init_seconds, 3),
@@ -641,23 +453,50 @@ def _train(args: argparse.Namespace, runtime: _Runtime) -> int:
               "history": reports.final.get("history"), "summary": reports.final.get("summary"),
               "failures": reports.failures}  # fmt: skip
     write_text_atomic(work_dir / RUN_FILE, json.dumps(record, indent=2, default=repr))
-    error = outcome.get("error")
     if error is None:
         print(f"helpers.launching.ray_train: the workers started {startup['workers_started_seconds']} s after the "  # noqa: T201
               f"trainer; {len(rows)} step(s) reported", flush=True)  # fmt: skip
         return 0
-
-    failures = getattr(error, "worker_failures", None) or {}
-    # The root cause first: helpers.launch names the first worker this prints.
-    for rank, err in sorted(
-        failures.items(), key=lambda f: (bool(SECONDARY.search(_first_line(f[1]))), f[0])
-    ):
-        report = _status(args.status_dir, rank)
-        where = f"on node {report.get('host', '?')} (pid {report.get('pid', '?')})"
-        print(f"{FAILED_TAG} rank {rank} failed {where}: {_first_line(err)}", flush=True)  # noqa: T201
-    if not failures:
-        print(f"helpers.launching.ray_train: training failed: {_first_line(error)}", flush=True)  # noqa: T201
+    _print_failures(error, args.status_dir)
     return 1
+
+
+def _fit(trainer, reports: Reports, total: int | None) -> BaseException | None:
+    """``trainer.fit()`` in a thread while the main one shows the workers' reports as a progress bar;
+    the error ``fit`` raised, if any."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    bar = tqdm(total=total, desc="training (ray)", unit="step", file=sys.stderr)
+    while thread.is_alive():
+        thread.join(0.5)
+        for row in reports.read():
+            bar.update(row["step"] - bar.n)
+            shown = {"loss": f"{row['loss']:.4f}" if row.get("loss") is not None else "?"}
+            if row.get("images_per_second"):
+                shown["img/s"] = f"{row['images_per_second']:.2f}"
+            bar.set_postfix(shown)
+    reports.read()
+    bar.close()
+    return outcome.get("error")
+
+
+def _print_failures(error: BaseException, status_dir: str) -> None:
+    """One line per failed worker, the root cause first: helpers.launch names the first worker this prints."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank, err in sorted(failures.items(), key=lambda f: (bool(SECONDARY.search(first_line(f[1]))), f[0])):
+        report = _status(status_dir, rank)
+        where = f"on node {report.get('host', '?')} (pid {report.get('pid', '?')})"
+        print(f"{FAILED_TAG} rank {rank} failed {where}: {first_line(err)}", flush=True)  # noqa: T201
+    if not failures:
+        print(f"helpers.launching.ray_train: training failed: {first_line(error)}", flush=True)  # noqa: T201
 
 
 def ray_version() -> str:
@@ -683,6 +522,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work_dir", required=True)
     parser.add_argument("--status_dir", required=True)
     parser.add_argument("--backend", choices=BACKENDS, default="gloo")
+    parser.add_argument("--module", choices=tuple(PARSERS), default=TRAIN)
     args = parser.parse_args(argv[:split])
     args.train_args = argv[split + 1 :]
     return args
@@ -695,8 +535,10 @@ def main(args: argparse.Namespace) -> int:
     if args.ray_address is None:  # a private runtime: a token for this run only, nothing in ~/.ray
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     signal.signal(signal.SIGTERM, supervise.interrupt)  # helpers.launch stops a job with TERM: clean up first
-    status.follow_launcher(args.status_dir)  # a launcher killed outright: TERM, so the same clean-up
     runtime, graceful = _runtime(args), True
+    # a launcher killed outright: end the runtime from the follower's thread at once (the main thread
+    # may wait inside Ray's C++ code, where TERM's Python handler would run only when it returns)
+    status.follow_launcher(args.status_dir, gone=lambda: _give_up("helpers.launch is gone", runtime))
     why = f"Ray did not start within {INIT_SECONDS:g} s"
     watchdog = threading.Timer(INIT_SECONDS, _give_up, args=(why, runtime))
     watchdog.daemon = True
@@ -730,8 +572,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the module's own copy: Ray pickles train_worker and the report sink by reference to
-    # helpers.launching.ray_train, which every worker imports, not by value from __main__.
+    # Run the module's own copy, not __main__'s: what Ray pickles by reference must name a module
+    # the Train controller and the workers can import.
     from helpers.launching import ray_train as ray_launch
 
     raise SystemExit(ray_launch.cli())

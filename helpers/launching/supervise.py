@@ -26,7 +26,7 @@ import psutil
 
 from helpers.core.outputs import SUMMARY
 from helpers.launching.layout import is_local_host
-from helpers.ranks.status import LAUNCHER_LOCK, WAITING, lock_held
+from helpers.ranks.status import DONE, LAUNCHER_LOCK, WAITING, lock_held
 
 
 def _tree(procs: Sequence[subprocess.Popen]) -> list[psutil.Process]:
@@ -86,7 +86,7 @@ def hold_launcher_lock(folder: str | os.PathLike) -> int:
         The descriptor: close it when the job has ended (the kernel frees it anyway when this
         process is gone). It is not inherited by the commands started after it.
     """
-    fd = os.open(Path(folder) / LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(Path(folder) / LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
 
@@ -133,6 +133,12 @@ class RankState:
     exited_at: float | None = None  # launcher's monotonic clock
     progress_at: float = 0.0  # when its beat counter last moved
 
+    @property
+    def failed(self) -> bool:
+        """Exited without reporting success (:data:`helpers.ranks.status.DONE`): an exception, or
+        killed outright (an out-of-memory kill prints nothing)."""
+        return not self.alive and self.status.get("state") != DONE
+
 
 class Watcher:
     """Polls the status folder; says which ranks exited, which still run, which stalled."""
@@ -147,6 +153,7 @@ class Watcher:
             rank = int(lock.stem[4:])
             state = self.ranks.get(rank) or RankState(rank, True, progress_at=now)
             self.ranks[rank] = state
+            ended = state.alive and not lock_held(lock)  # before the report: a rank's last is written by then
             try:
                 status = json.loads((self.folder / f"rank{rank}.json").read_text())
             except (FileNotFoundError, json.JSONDecodeError):
@@ -154,9 +161,13 @@ class Watcher:
             if status.get("beats") != state.status.get("beats"):
                 state.progress_at = now
             state.status = status
-            if state.alive and not lock_held(lock):
+            if ended:
                 state.alive, state.exited_at = False, now
         return self.ranks
+
+    def failures(self) -> list[int]:
+        """The ranks that exited without succeeding, in the order they exited."""
+        return [r for _, r in sorted((s.exited_at, r) for r, s in self.ranks.items() if s.failed)]
 
     def first_exit(self) -> tuple[int, float] | None:
         """The rank that exited first and when, if any did."""

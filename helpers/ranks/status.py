@@ -7,7 +7,10 @@ at the same path, ``<output_dir>/launch/status``) and each rank of ``helpers.tra
 * holds an exclusive ``flock`` on ``rank<R>.lock`` from its start until the process is gone. The
   kernel drops the lock whichever way the process ends (exit, exception, SIGKILL, a hang in
   interpreter teardown finally killed), so "lock free" means "exited", with no clock involved;
-* rewrites ``rank<R>.json`` (host, pid, state, step, a beat counter) at every step and phase;
+* rewrites ``rank<R>.json`` (host, pid, state, step, a beat counter) at every step and phase, and
+  ``done`` (:func:`done`) once its command has succeeded: a lock freed without it is a rank that
+  failed (an exception, or killed outright, e.g. by the out-of-memory killer), and the launcher
+  stops the others at once instead of waiting for them;
 * follows the launcher: the launcher holds ``launcher.lock`` in the same folder for the whole job,
   and a thread here looks once a second; when the lock is free the launcher is gone, however it
   ended (SIGKILL of a restarted notebook kernel included), and the rank sends itself SIGTERM. So
@@ -20,6 +23,7 @@ would; :func:`add_listener` lets such a rank see every beat (e.g. to report each
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -30,12 +34,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers.core.errors import InputError
 from helpers.core.files import write_text_atomic
 
 STATUS_DIR_ENV = "WORKSHOP_STATUS_DIR"
 
 
 WAITING = "waiting"
+
+
+DONE = "done"  # the rank's command succeeded: it exits 0 (a free lock without it is a failure)
 
 
 LAUNCHER_LOCK = "launcher.lock"
@@ -80,32 +88,48 @@ def start() -> None:
         return
     Path(folder).mkdir(parents=True, exist_ok=True)
     # Never closed: the kernel releases the lock when the process is gone, not before.
-    fd = os.open(Path(folder) / f"rank{rank}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    path = Path(folder) / f"rank{rank}.lock"
+    try:  # never through a link planted at this known name (os.open's descriptors are not inherited)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.EISDIR):
+            raise
+        raise InputError(
+            f"{STATUS_DIR_ENV}={folder}: {path.name} is a symbolic link or a folder, where this rank keeps its "
+            f"lock. Fix: remove it (rm -r {path}) and start the job again."
+        ) from None
     fcntl.flock(fd, fcntl.LOCK_EX)
     _reporter = _Reporter(Path(folder), rank, fd)
     beat("started")
     follow_launcher(folder)
 
 
-def follow_launcher(folder: str | os.PathLike) -> None:
-    """If a launcher holds ``launcher.lock`` in ``folder``: SIGTERM this process once it is free.
+def _terminate_self() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def follow_launcher(folder: str | os.PathLike, gone: Callable[[], None] = _terminate_self) -> None:
+    """If a launcher holds ``launcher.lock`` in ``folder``: call ``gone`` once it is free (by
+    default SIGTERM to this process, which its handler turns into the usual clean-up).
 
     A thread looks every :data:`FOLLOW_SECONDS`; :func:`finish` stops it. Ranks call this through
-    :func:`start`; the Ray driver, which is not a rank, calls it itself.
+    :func:`start`; the Ray driver, which is not a rank, calls it itself with a ``gone`` that ends
+    its runtime from this thread (its main thread may sit in Ray's C++ wait, where no Python
+    signal handler runs).
     """
     launcher = Path(folder) / LAUNCHER_LOCK
     if launcher.exists():
         _finished.clear()
-        threading.Thread(target=_follow, args=(launcher,), name="follow-launcher", daemon=True).start()
+        threading.Thread(target=_follow, args=(launcher, gone), name="follow-launcher", daemon=True).start()
 
 
-def _follow(launcher: Path) -> None:
-    """End this process (SIGTERM) once the launcher's lock is free, unless the rank has finished."""
+def _follow(launcher: Path, gone: Callable[[], None]) -> None:
+    """Call ``gone`` once the launcher's lock is free, unless the rank has finished."""
     while lock_held(launcher):
         if _finished.wait(FOLLOW_SECONDS):
             return
     if not _finished.is_set():
-        os.kill(os.getpid(), signal.SIGTERM)
+        gone()
 
 
 def beat(state: str, step: int | None = None) -> None:
@@ -125,10 +149,22 @@ def beat(state: str, step: int | None = None) -> None:
     write_text_atomic(r.folder / f"rank{r.rank}.json", json.dumps(status))
 
 
-def finish() -> None:
+def done() -> None:
+    """Report that this rank's command succeeded; it exits 0 next. The launcher reads a rank whose
+    lock is free without this report as failed, and stops the job at once."""
+    beat(DONE)
+
+
+def finish(succeeded: bool = True) -> None:
     """This rank has ended although its process lives on: free its lock (read as an exit) and
-    stop reporting. A no-op unless :func:`start` took the lock."""
+    stop reporting. A no-op unless :func:`start` took the lock.
+
+    Args:
+        succeeded: report :data:`DONE` first (else the launcher reads the end as a failure).
+    """
     global _reporter
+    if succeeded and _reporter is not None:
+        done()
     r, _reporter = _reporter, None
     _finished.set()  # a launcher that ends after this rank must not stop its process (a Ray actor)
     if r is not None:

@@ -19,12 +19,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from helpers.core.errors import InputError, run_cli
+from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.toyworld import build, evaluate, world
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m helpers.toyworld", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m helpers.toyworld", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="train the toy-world pipeline and judge (resumable)")
     build.add_arguments(b)

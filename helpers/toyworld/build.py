@@ -396,7 +396,7 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
             f"Fix: use the same settings to resume it, or delete {work} to start over."
         )
     write_text_atomic(saved, json.dumps(settings, indent=1))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    cpu.set_threads()  # OMP_NUM_THREADS if set (a shared machine), else the physical cores
     pixels, scenes = render_scenes(cfg, work)
     vae, vae_losses = train_vae(cfg, work, pixels)
     latents = encode_latents(cfg, work, vae, pixels)

@@ -20,6 +20,10 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 MIXED_PRECISION = ("auto", "no", "bf16")
 LEARNABLE_PROPERTIES = ("object", "style")
 REPORT_TO = ("tensorboard", "none")
+MAX_RESOLUTION = 2048
+"""The largest ``resolution`` any run may ask for, whatever the model and memory: Stable Diffusion
+models are trained at 512 to 1024 px, and at 2048 px a training step of the SD v1.5 shape keeps
+tens of GiB of activations (:mod:`helpers.training.engine.limits` checks the model's own bound)."""
 
 UNSUPPORTED_IN_BOTH = {
     "push_to_hub": "this workshop runs offline; upload output_dir with `huggingface-cli upload` afterwards",
@@ -80,7 +84,12 @@ class TrainConfig(Settings):
     learnable_property: str = setting("object", "object or style", choices=LEARNABLE_PROPERTIES)
     repeats: int = setting(100, "how many times each image is repeated per epoch", ge=1)
     resolution: int = setting(
-        512, "training image size (multiple of 8)", gt=0, multiple_of=8, hint="e.g. 512, or 64 for 'tiny'"
+        512,
+        "training image size (multiple of 8)",
+        gt=0,
+        le=MAX_RESOLUTION,
+        multiple_of=8,
+        hint="e.g. 512, or 64 for 'tiny'",
     )
     center_crop: bool = setting(False, "center-crop to a square before resizing")
     train_batch_size: int = setting(1, "images per process per step", ge=1)

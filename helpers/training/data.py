@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from helpers.core.errors import InputError, run_cli
+from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.core.sources import classify_source
 from helpers.training import models
 
@@ -50,6 +50,12 @@ DEFAULT_CONCEPT_REPO = "sd-concepts-library/dicoo"
 # sd-concepts-library repos keep the training pictures in concept_images/ beside
 # learned_embeds.bin, token_identifier.txt and type_of_concept.txt.
 CONCEPT_IMAGES_SUBDIR = "concept_images"
+MAX_CONCEPT_FILES = 1000
+"""Most files a concept folder may hold. Textual Inversion and DreamBooth learn a concept from a
+handful of pictures (3-5 in both papers and diffusers' examples), and every file is decoded and
+every picture's views encoded before the first step (10,000 tiny files took over 400 s): a folder
+with more is a wrong folder (a whole photo library, a data set), refused before any file is opened.
+DreamBooth's generated class pictures are not a concept folder and have no such limit."""
 IMAGE_EXTENSIONS = frozenset(
     {".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 )
@@ -227,28 +233,8 @@ def _open_picture(file: Path) -> tuple[str, tuple[int, int] | str | None]:
         return "problem", f"corrupt or truncated image ({type(err).__name__}: {err})"
 
 
-def validate_image_folder(path: str | os.PathLike, min_size: int = 0) -> list[Path]:
-    """Check a folder of training images and return them; never writes anything.
-
-    Accepts what diffusers' script accepts, and refuses only what cannot work. Every picture is
-    fully decoded, so corrupt and truncated files are found here rather than in the middle of
-    training. Files that are not pictures (``README.md``, ``.DS_Store``, ``notes.txt``) are
-    skipped, named in one :class:`ConceptImagesWarning` (diffusers' script would crash on them).
-    Pictures smaller than ``min_size`` are kept, named in one warning: training resizes them up,
-    as diffusers does. Subfolders are not searched.
-
-    Args:
-        path: the folder holding the concept images.
-        min_size: the training resolution (0: no size warning).
-
-    Returns:
-        The pictures, sorted by name.
-
-    Raises:
-        ImageFolderError: the folder is missing or a file, holds no picture, or holds files that
-            claim to be pictures but are empty, corrupt or unreadable (every one listed, with the fix).
-    """
-    folder = Path(path)
+def _folder_entries(folder: Path, max_files: int | None) -> list[Path]:
+    """The entries of a concept folder, sorted; :class:`ImageFolderError` if it cannot be one."""
     if not folder.exists():
         raise ImageFolderError(
             folder,
@@ -268,6 +254,44 @@ def validate_image_folder(path: str | os.PathLike, min_size: int = 0) -> list[Pa
         raise ImageFolderError(
             folder, [(folder, "cannot be read (permission denied)")], "check the folder's permissions."
         ) from None
+    if max_files is not None and len(entries) > max_files:
+        too_many = f"holds {len(entries):,} entries, more than the {max_files:,} a concept folder may hold"
+        raise ImageFolderError(
+            folder,
+            [(folder, too_many)],
+            "a concept is learned from a handful of pictures (3-5 are usual), and every file is read before "
+            "the first step: copy a few pictures of it into a folder of their own and pass that.",
+        )
+    return entries
+
+
+def validate_image_folder(
+    path: str | os.PathLike, min_size: int = 0, max_files: int | None = MAX_CONCEPT_FILES
+) -> list[Path]:
+    """Check a folder of training images and return them; never writes anything.
+
+    Accepts what diffusers' script accepts, and refuses only what cannot work. Every picture is
+    fully decoded, so corrupt and truncated files are found here rather than in the middle of
+    training. Files that are not pictures (``README.md``, ``.DS_Store``, ``notes.txt``) are
+    skipped, named in one :class:`ConceptImagesWarning` (diffusers' script would crash on them).
+    Pictures smaller than ``min_size`` are kept, named in one warning: training resizes them up,
+    as diffusers does. Subfolders are not searched.
+
+    Args:
+        path: the folder holding the concept images.
+        min_size: the training resolution (0: no size warning).
+        max_files: most files the folder may hold (:data:`MAX_CONCEPT_FILES`; None: any number).
+
+    Returns:
+        The pictures, sorted by name.
+
+    Raises:
+        ImageFolderError: the folder is missing or a file, holds no picture, more than ``max_files``
+            files, or files that claim to be pictures but are empty, corrupt or unreadable (every
+            one listed, with the fix).
+    """
+    folder = Path(path)
+    entries = _folder_entries(folder, max_files)
     subfolders = [p for p in entries if p.is_dir() and not p.name.startswith(".")]
     images: list[Path] = []
     small: list[str] = []
@@ -374,6 +398,32 @@ def download_concept(
     return images_dir
 
 
+_EXIF_ORIENTATION = 0x0112
+
+
+def picture_size(path: str | os.PathLike) -> tuple[int, int]:
+    """``(height, width)`` of a picture as the trainers load it (after its EXIF rotation).
+
+    Reads the file's header only: an EXIF orientation of 5 to 8 turns the picture a quarter.
+    """
+    with Image.open(path) as img:
+        width, height = img.size
+        if img.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8):
+            width, height = height, width
+    return height, width
+
+
+def _ids(tokenizer, prompt: str) -> torch.Tensor:
+    """A prompt's ids padded (and truncated) to the tokenizer's full length, as the pipelines read it."""
+    return tokenizer(
+        prompt,
+        padding="max_length",
+        truncation=True,
+        max_length=tokenizer.model_max_length,
+        return_tensors="pt",
+    ).input_ids[0]
+
+
 class ConceptDataset(torch.utils.data.Dataset):
     """The textual-inversion training set: (view of a concept image, prompt with the placeholder).
 
@@ -392,6 +442,8 @@ class ConceptDataset(torch.utils.data.Dataset):
         center_crop: crop to the centred square of the shorter side before resizing.
         flip_p: probability of a horizontal flip.
         seed: seed of the per-item template and flip choices.
+        tokenizer_2: SDXL's second tokenizer (with the placeholder tokens too): each item then also
+            holds ``input_ids_2``, the same prompt in its ids.
     """
 
     def __init__(
@@ -405,6 +457,7 @@ class ConceptDataset(torch.utils.data.Dataset):
         center_crop: bool = False,
         flip_p: float = 0.5,
         seed: int = 0,
+        tokenizer_2=None,
     ):
         if learnable_property not in _TEMPLATES:
             raise ValueError(
@@ -419,6 +472,7 @@ class ConceptDataset(torch.utils.data.Dataset):
         self.images = validate_image_folder(data_root, min_size=0)  # before any tokenizer or pixel work
         self.data_root = Path(data_root)
         self.tokenizer = tokenizer
+        self.tokenizer_2 = tokenizer_2
         self.placeholder_text = placeholder_text
         self.learnable_property = learnable_property
         self.templates = _TEMPLATES[learnable_property]
@@ -450,15 +504,11 @@ class ConceptDataset(torch.utils.data.Dataset):
         rng = self._rng(i)
         prompt = rng.choice(self.templates).format(self.placeholder_text)
         flipped = rng.random() < self.flip_p  # same rule as torchvision's RandomHorizontalFlip
-        input_ids = self.tokenizer(
-            prompt,
-            padding="max_length",
-            truncation=True,
-            max_length=self.tokenizer.model_max_length,
-            return_tensors="pt",
-        ).input_ids[0]
         view_index = (i % len(self.images)) * self._n_flip + int(flipped)
-        return {"view_index": view_index, "input_ids": input_ids, "prompt": prompt}
+        item = {"view_index": view_index, "input_ids": _ids(self.tokenizer, prompt), "prompt": prompt}
+        if self.tokenizer_2 is not None:
+            item["input_ids_2"] = _ids(self.tokenizer_2, prompt)
+        return item
 
     def view_pixels(self, view_index: int) -> torch.FloatTensor:
         """Pixels of one view, as the UNet's VAE expects them.
@@ -485,6 +535,10 @@ class ConceptDataset(torch.utils.data.Dataset):
         image_index, flipped = divmod(view_index, self._n_flip)
         return self.images[image_index], bool(flipped)
 
+    def original_size(self, view_index: int) -> tuple[int, int]:
+        """``(height, width)`` of the picture a view shows, as loaded (:func:`picture_size`)."""
+        return picture_size(self.view_source(view_index)[0])
+
     def _load_view(self, path: Path, flipped: bool) -> torch.Tensor:
         with Image.open(path) as img:
             # Phone photos store their rotation in EXIF; without this the concept trains sideways.
@@ -503,9 +557,7 @@ class ConceptDataset(torch.utils.data.Dataset):
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the ``python -m helpers.training.data`` command line."""
-    parser = argparse.ArgumentParser(
-        prog="python -m helpers.training.data", description=__doc__.split("\n")[0]
-    )
+    parser = ArgumentParser(prog="python -m helpers.training.data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     download = sub.add_parser("download", help="download the images of a concept from the Hub")
     download.add_argument("--repo_id", default=DEFAULT_CONCEPT_REPO)

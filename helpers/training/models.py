@@ -1,11 +1,13 @@
-"""Model sources: a Hub id, a local diffusers folder, or the offline ``"toyworld"`` and ``"tiny"`` pipelines.
+"""Model sources: a Hub id, a local diffusers folder, or the offline ``"toyworld"``, ``"tiny"`` and ``"tiny-xl"`` pipelines.
 
 ``"toyworld"`` is a tiny Stable Diffusion v1 pipeline *trained* on a procedural world of toys
 (:mod:`helpers.toyworld`), shipped inside the package: offline, Textual Inversion visibly learns
 the bundled concept on it. ``"tiny"`` is a random-weight Stable Diffusion v1 pipeline (same block structure: a VAE that
 downsamples 8x, a UNet with three cross-attention levels, a CLIP text encoder) at tiny widths,
 with the real CLIP BPE vocabulary. It builds offline in seconds, deterministically, and is the
-embedded default for the demo and every test. Real checkpoints load through the same code.
+embedded default for the demo and every test. ``"tiny-xl"`` is its Stable Diffusion XL
+counterpart (two text encoders, the ``text_time`` UNet; :mod:`helpers.training.models_xl`), built
+and cached the same way. Real checkpoints load through the same code.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from helpers.core.files import replace_dir_atomic
 from helpers.core.quiet import quiet_model_loading
 from helpers.core.sources import classify_source
+from helpers.training import models_xl
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,8 @@ TINY = "tiny"
 TINY_RESOLUTION = 64
 TOYWORLD = "toyworld"
 TOYWORLD_DIR = Path(__file__).parent.parent / "assets" / "toyworld"
-OFFLINE_MODELS = (TOYWORLD, TINY)
+TINY_XL = models_xl.TINY_XL
+OFFLINE_MODELS = (TOYWORLD, TINY, TINY_XL)
 CLIP_VOCAB_FILE = Path(__file__).parent.parent / "assets" / "clip_vocab" / "bpe_simple_vocab_16e6.txt.gz"
 # Files of a diffusers Stable Diffusion repo that training and inference need (skips EMA/fp16/ckpt copies).
 HUB_ALLOW_PATTERNS = [
@@ -174,18 +178,19 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
-    """Turn ``"toyworld"``, ``"tiny"``, a local diffusers folder or a Hub id into a local folder.
+    """Turn ``"toyworld"``, ``"tiny"``, ``"tiny-xl"``, a local diffusers folder or a Hub id into a local folder.
 
     Every model load starts here, so this is also where the load-time progress bars of diffusers
     and transformers are turned off (:func:`helpers.core.quiet.quiet_model_loading`), once the model is found.
 
     Args:
-        name_or_path: ``"toyworld"`` (shipped), ``"tiny"`` (built on first use), a folder with
+        name_or_path: ``"toyworld"`` (shipped), ``"tiny"`` or ``"tiny-xl"`` (built on first use), a folder with
             ``model_index.json``, or a Hub repo id.
         revision: Hub revision (branch, tag or commit); ignored for local folders.
 
     Returns:
-        A local folder that ``StableDiffusionPipeline.from_pretrained`` can load.
+        A local folder that ``StableDiffusionPipeline.from_pretrained`` (``StableDiffusionXLPipeline``
+        for an SDXL model) can load.
 
     Raises:
         HubUnavailableError: a Hub id was given and the Hub is unreachable.
@@ -199,6 +204,8 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
 def _locate_model(name: str, revision: str | None) -> Path:
     if name == TINY:
         return tiny_pipeline_dir()
+    if name == TINY_XL:
+        return tiny_xl_pipeline_dir()
     if name == TOYWORLD:
         if not (TOYWORLD_DIR / "model_index.json").is_file():  # pragma: no cover - a broken install
             raise FileNotFoundError(
@@ -294,8 +301,12 @@ def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return {tok: i for i, tok in enumerate(tokens)}, merges
 
 
-def build_clip_tokenizer():
-    """The real Stable Diffusion v1 CLIP tokenizer, built offline from the bundled vocabulary."""
+def build_clip_tokenizer(pad_token: str = "<|endoftext|>"):
+    """The real Stable Diffusion v1 CLIP tokenizer, built offline from the bundled vocabulary.
+
+    Args:
+        pad_token: what pads a prompt to 77 tokens; SDXL's second tokenizer pads with ``"!"``.
+    """
     from transformers import CLIPTokenizer
 
     vocab, merges = clip_vocab_and_merges()
@@ -305,7 +316,7 @@ def build_clip_tokenizer():
         bos_token="<|startoftext|>",
         eos_token="<|endoftext|>",
         unk_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
+        pad_token=pad_token,
         model_max_length=77,
     )
 
@@ -381,6 +392,32 @@ def tiny_pipeline_dir() -> Path:
     return _cached_build("tiny-sd-v1", key, build_tiny_pipeline)
 
 
+def build_tiny_xl_pipeline(path: str | os.PathLike, seed: int = 0):
+    """Build and save the offline tiny Stable Diffusion XL pipeline (random weights, 64 px).
+
+    Deterministic: two builds with the same seed give bit-identical weights. The shapes:
+    :mod:`helpers.training.models_xl`.
+
+    Returns:
+        The ``StableDiffusionXLPipeline`` that was saved.
+    """
+    return models_xl.build_random_xl_pipeline(path, _xl_tokenizers(), models_xl.TINY_XL_CONFIGS, seed)
+
+
+def _xl_tokenizers() -> tuple[Any, Any]:
+    """SDXL's two tokenizers: one CLIP vocabulary; the second pads with ``"!"``, as SDXL's ``tokenizer_2``."""
+    return build_clip_tokenizer(), build_clip_tokenizer(pad_token="!")
+
+
+@functools.cache
+def tiny_xl_pipeline_dir() -> Path:
+    """The cached build of the tiny SDXL pipeline (built on first use, in a few seconds)."""
+    key = _build_key(
+        models_xl.TINY_XL_BUILD_VERSION, *models_xl.TINY_XL_CONFIGS, models_xl.SDXL_SCHEDULER_CONFIG
+    )
+    return _cached_build("tiny-sdxl", key, build_tiny_xl_pipeline)
+
+
 # --- the SD v1.5-shape pipeline (benchmarks only) ------------------------------------------------
 
 SD15_SHAPE = "sd15-shape"
@@ -426,3 +463,21 @@ def sd15_shape_pipeline_dir() -> Path:
         SD15_SHAPE_BUILD_VERSION, SD15_SHAPE_TEXT_CONFIG, SD15_SHAPE_UNET_CONFIG, SD15_SHAPE_VAE_CONFIG
     )
     return _cached_build("sd15-shape", key, build_sd15_shape_pipeline)
+
+
+def build_sdxl_shape_pipeline(path: str | os.PathLike, seed: int = 0):
+    """Build and save a pipeline with SDXL base 1.0's architecture and random weights (benchmarks only).
+
+    UNet 2.57 B parameters, text encoders 0.12 B and 0.69 B, fp32: about 13 GB on disk and as much
+    memory while it is built. Only the shapes are real, so it measures speed and memory, never quality.
+    """
+    return models_xl.build_random_xl_pipeline(path, _xl_tokenizers(), models_xl.SDXL_SHAPE_CONFIGS, seed)
+
+
+@functools.cache
+def sdxl_shape_pipeline_dir() -> Path:
+    """The cached build of the SDXL-shape pipeline (built on first use: minutes, about 13 GB)."""
+    key = _build_key(
+        models_xl.SDXL_SHAPE_BUILD_VERSION, *models_xl.SDXL_SHAPE_CONFIGS, models_xl.SDXL_SCHEDULER_CONFIG
+    )
+    return _cached_build(models_xl.SDXL_SHAPE, key, build_sdxl_shape_pipeline)

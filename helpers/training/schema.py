@@ -34,7 +34,7 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
-from helpers.core.errors import InputError, read_yaml
+from helpers.core.errors import ArgumentParser, InputError, read_yaml
 from helpers.core.files import write_text_atomic
 
 S = TypeVar("S", bound="Settings")
@@ -352,7 +352,7 @@ def build_parser(
     ``--config`` YAML, and reports every problem at once. ``ignored`` flags (name: why) are accepted
     and dropped; ``unsupported`` ones (name: why) are accepted here and refused by :func:`parse_flags`.
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    parser = ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config", help="YAML file of settings; flags given on the command line override it")
     for f in fields(cls):
         kind, optional = kind_of(f)

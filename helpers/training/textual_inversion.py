@@ -15,56 +15,36 @@ What differs from diffusers' ``examples/textual_inversion/textual_inversion.py``
   keyed by (seed, epoch, sample index). The run is therefore reproducible, a resumed run equals an
   uninterrupted one, and 2 processes x batch 1 compute the same update as 1 process x batch 2.
 
-:func:`train` reads as the run does: check the inputs, set up, resume, train (one
-:func:`training_step` per optimisation step), write the outputs. The parts live in
-:mod:`helpers.training.engine`; every public name is importable from here.
+:func:`train` is the run loop (:mod:`helpers.training.engine.loop`) with this module's
+:class:`TextualInversion` method: its checks, set-up (:func:`~helpers.training.engine.setup.setup_run`),
+one :func:`training_step` per optimisation step, and its outputs. The parts live in
+:mod:`helpers.training.engine`; the names the tests and ``bench/`` use are importable from here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from accelerate.logging import get_logger
-from tqdm.auto import tqdm
 
 from helpers.core import cpu
-from helpers.core.outputs import (
-    HISTORY,
-    HISTORY_PARTIAL,
-    LEARNED_EMBEDS,
-    MODEL_INDEX,
-    SAMPLES,
-    SUMMARY,
-    TRAIN_CONFIG,
-)
-from helpers.ranks import faults, status
-from helpers.training import data, models
+from helpers.core.outputs import LEARNED_EMBEDS, MODEL_INDEX, SAMPLES
+from helpers.ranks import status
+from helpers.training import data, families, models
 from helpers.training.config import TrainConfig
-from helpers.training.engine import TrainingDivergedError, TrainingInputError, tracking
-from helpers.training.engine.checkpoints import (
-    check_not_past_the_end,
-    checkpoint_step,
-    list_checkpoints,
-    load_history,
-    load_state,
-    prune_checkpoints,
-    resolve_checkpoint,
-    save_checkpoint,
-)
+from helpers.training.engine import TrainingDivergedError, TrainingInputError, events, limits, loop, tracking
+from helpers.training.engine.checkpoints import checkpoint_step
+from helpers.training.engine.encoder_rows import save_encoder_embeds
 from helpers.training.engine.folder import (
-    FolderLock,
+    TEXTUAL_INVERSION,
     OutputFolder,
-    check_checkpoint_matches,
     check_output_dir,
     checkpoint_settings,
-    clear_leftovers,
-    clear_run,
-    hold_output_dir,
     inspect_output_dir,
 )
 from helpers.training.engine.rows import (
@@ -72,8 +52,6 @@ from helpers.training.engine.rows import (
     LearnedEmbeddings,
     add_placeholder_tokens,
     check_tokens,
-    placeholder_tokens_for,
-    write_rows,
 )
 from helpers.training.engine.saving import (
     PipelineCopy,
@@ -92,62 +70,40 @@ from helpers.training.engine.step import (
     cache_latents,
     check_gradient_reaches,
     diffusion_loss,
-    draw_batch,
     draw_sample_noise,
     sample_generator,
     training_step,
 )
+from helpers.training.families import Family, sd1
 
 __all__ = [
-    "HISTORY",
-    "LEARNED_EMBEDS",
-    "SUMMARY",
     "AllreduceCounter",
+    "CheckedInputs",
     "EmbeddingHook",
     "EpochSampler",
     "LearnedEmbeddings",
-    "PipelineCopy",
     "Run",
     "StepParts",
+    "TextualInversion",
     "TrainResult",
     "TrainingDivergedError",
     "TrainingInputError",
     "add_placeholder_tokens",
     "cache_latents",
     "check_gradient_reaches",
-    "CheckedInputs",
-    "FolderLock",
-    "OutputFolder",
-    "check_checkpoint_matches",
     "check_inputs",
-    "check_output_dir",
-    "clear_leftovers",
-    "clear_run",
-    "hold_output_dir",
-    "inspect_output_dir",
-    "check_not_past_the_end",
+    "check_tokens",
     "checkpoint_settings",
     "checkpoint_step",
-    "check_tokens",
     "diffusion_loss",
-    "draw_batch",
     "draw_sample_noise",
-    "list_checkpoints",
-    "placeholder_tokens_for",
-    "prune_checkpoints",
-    "resolve_checkpoint",
+    "inspect_output_dir",
     "sample_generator",
-    "save_checkpoint",
-    "save_full_pipeline",
-    "save_learned_embeds",
     "setup_run",
     "train",
     "training_step",
     "write_json",
-    "write_rows",
 ]
-
-logger = get_logger(__name__)
 
 
 @dataclass
@@ -174,18 +130,24 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class CheckedInputs:
-    """What :func:`check_inputs` found: the images, the output folder's state, the checkpoint to resume."""
+    """What :func:`check_inputs` found: the images, the output folder's state, the checkpoint to resume
+    (and, once resolved, the base model's folder, its family and its tokenizers, one per text encoder)."""
 
     images: list[Path]
     folder: OutputFolder
     checkpoint: Path | None
+    model_dir: Path | None = None
+    tokenizer: Any = None
+    family: Family = sd1.FAMILY
+    tokenizer_2: Any = None
 
 
 def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
     """Every cheap check of a run, before any model is resolved or loaded.
 
-    IPEX if asked for, the output folder (:func:`helpers.training.engine.folder.check_output_dir`), the images, the checkpoint
-    to resume (complete, of the same run, not past the last step) and, given the tokenizer, the tokens.
+    IPEX if asked for, the output folder (:func:`helpers.training.engine.folder.check_output_dir`),
+    the images, the checkpoint to resume (:func:`helpers.training.engine.loop.check_resume`) and,
+    given the tokenizer, the tokens.
 
     Raises:
         TrainingInputError, helpers.training.data.ImageFolderError: one message with the fix.
@@ -199,12 +161,12 @@ def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
         raise TrainingInputError(f"use_ipex: {problem}. Fix: {cpu.IPEX_FIX}, or leave use_ipex off.")
     folder = check_output_dir(config)
     images = data.validate_image_folder(config.train_data_dir, min_size=config.resolution)
-    ckpt = None
-    if config.resume_from_checkpoint:
-        ckpt = resolve_checkpoint(folder.path, config.resume_from_checkpoint)
-        check_checkpoint_matches(ckpt, config)
-        if config.max_train_steps is not None:
-            check_not_past_the_end(ckpt, config.max_train_steps)
+    limits.check_batch_size(
+        config.train_batch_size,
+        len(images) * config.repeats,
+        f"{len(images)} pictures x repeats {config.repeats}",
+    )
+    ckpt = loop.check_resume(config, folder)
     if tokenizer is not None:
         templates = data.prompt_templates(config.learnable_property)
         check_tokens(
@@ -214,242 +176,116 @@ def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Run textual inversion as configured; return what was produced.
+    """Run textual inversion as configured (:func:`helpers.training.engine.loop.train`); return what was produced.
 
-    Works the same in one process and under ``accelerate launch`` / ``torchrun`` / ``mpirun``.
+    Works the same in one process and under ``accelerate launch`` / ``torchrun`` / ``mpirun`` / Ray.
     Only the main process writes outputs, holding ``output_dir``'s lock from before the models load.
     """
-    from transformers import CLIPTokenizer
-
-    called = time.perf_counter()
-    checked = check_inputs(config)  # the folder, images and checkpoint, before any model work
-    model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
-    tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
-    templates = data.prompt_templates(config.learnable_property)
-    check_tokens(tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors, templates)
-    with hold_output_dir(config):  # one run per folder: a second one is refused with this one's pid
-        return _train(config, called, checked, model_dir, tokenizer)
+    return loop.train(METHOD, config)
 
 
-def _train(
-    config: TrainConfig, called: float, checked: CheckedInputs, model_dir: Path, tokenizer
-) -> TrainResult:
-    run = setup_run(config, model_dir, tokenizer)
-    start = resume(run, checked.checkpoint)
-    history = prepare_output_dir(run, start)
-    tracking.start(run.accelerator, "textual_inversion", dataclasses.asdict(config))
-    # The full pipeline's unchanged weights go to disk while the steps run, not after them.
-    copied = PipelineCopy(model_dir, run.output_dir) if writes_pipeline(run) else None
-    try:
-        record_startup(run, called)
-        # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
-        last = train_loop(run, start, history) if start < run.max_steps else start
-        return write_outputs(run, history, last, copied)
-    finally:
-        if copied is not None:
-            copied.discard()
+class TextualInversion(loop.Method):
+    """Textual inversion as a method of the run loop (:class:`helpers.training.engine.loop.Method`):
+    the new tokens' rows are trained; the outputs are ``learned_embeds.safetensors`` (also every
+    ``save_steps``), samples and, with ``save_as_full_pipeline``, the pipeline in ``output_dir``."""
+
+    name, title = "textual_inversion", "textual inversion"
+    layout = TEXTUAL_INVERSION
+    weights_name = "the learned embeddings"
+    identical_key = "embeddings_identical_across_ranks"
+
+    def check_inputs(self, config: TrainConfig) -> CheckedInputs:
+        """:func:`check_inputs`, then the model resolved, its family read (an unsupported one is
+        refused), its tokenizers loaded and the tokens checked in each."""
+        checked = check_inputs(config)  # the folder, images and checkpoint, before any model work
+        model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
+        family = families.family_of(model_dir)  # model_index.json only
+        limits.check_resolution(config.resolution, config.train_batch_size, model_dir)  # its JSON only
+        tokenizers = families.load_tokenizers(model_dir, family)
+        templates = data.prompt_templates(config.learnable_property)
+        for tokenizer in tokenizers:
+            check_tokens(
+                tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors, templates
+            )
+        return dataclasses.replace(checked, model_dir=model_dir, tokenizer=tokenizers[0], family=family,
+                                   tokenizer_2=tokenizers[1] if len(tokenizers) > 1 else None)  # fmt: skip
+
+    def setup(self, config: TrainConfig, checked: CheckedInputs) -> Run:
+        return setup_run(config, checked.model_dir, checked.tokenizer, checked.family, checked.tokenizer_2)
+
+    @contextlib.contextmanager
+    def running(self, run: Run) -> Iterator[None]:
+        """The full pipeline's unchanged weights go to disk while the steps run, not after them."""
+        run.copied = PipelineCopy(run.model_dir, run.output_dir) if writes_pipeline(run) else None
+        try:
+            yield
+        finally:
+            if run.copied is not None:
+                run.copied.discard()
+
+    def step(self, run: Run, micro_batches: list[dict], epoch: int, step: int) -> torch.Tensor:
+        return torch.tensor([training_step(run.parts, micro_batches, epoch, step)])
+
+    def images_per_step(self, run: Run) -> int:
+        config = run.config
+        return config.train_batch_size * config.gradient_accumulation_steps * run.accelerator.num_processes
+
+    def trained(self, run: Run) -> torch.Tensor:
+        return torch.cat([v.reshape(-1) for v in run.parts.all_vectors])
+
+    def write_weights(self, run: Run, folder: Path) -> None:
+        """``learned_embeds.safetensors`` (and SDXL's ``learned_embeds_2.safetensors``) into ``folder``."""
+        save_encoder_embeds(folder, run.family, run.config.placeholder_token, run.parts.all_vectors)
+
+    def after_step(self, run: Run, step: int) -> None:
+        """The embeddings every ``save_steps`` (one file per encoder), samples every ``validation_steps``."""
+        config, accelerator = run.config, run.accelerator
+        if step % config.save_steps == 0 and accelerator.is_main_process:
+            for name, vectors in zip(run.family.learned_embeds_files, run.parts.all_vectors, strict=True):
+                path = run.output_dir / name.replace(".safetensors", f"-steps-{step}.safetensors")
+                save_learned_embeds(path, config.placeholder_token, vectors)
+                events.publish(events.Saved(step, "weights", path))
+        if config.validation_prompt and config.num_validation_images and step % config.validation_steps == 0:
+            dest = run.output_dir / SAMPLES / f"step-{step}"
+            if accelerator.is_main_process:
+                tracking.log_images(accelerator, step, save_samples(run, dest))
+            else:
+                status.beat(status.WAITING, step)  # rank 0 samples meanwhile
+            accelerator.wait_for_everyone()
+            events.publish(events.Saved(step, "samples", dest))
+
+    def write_outputs(self, run: Run, steps: int) -> None:
+        """The final samples, then the full pipeline (or, resumed without the flag, its removal)."""
+        config, output_dir = run.config, run.output_dir
+        for *_, hook, _ in run.encoders:
+            hook.remove()
+        if config.validation_prompt and config.num_validation_images:
+            tracking.log_images(run.accelerator, steps, save_samples(run, output_dir / SAMPLES / "final"))
+        if config.save_as_full_pipeline:
+            with storage_errors(output_dir, "the full pipeline", discard=run.copied.folder):
+                save_full_pipeline(run, output_dir, run.copied)
+        elif (output_dir / MODEL_INDEX).exists():  # resumed without the flag: not this run's rows
+            remove_full_pipeline(output_dir)
+
+    def summary_extras(self, run: Run) -> dict:
+        return {
+            "placeholder_tokens": run.tokens,
+            "trainable_parameters": sum(v.numel() for v in run.parts.all_vectors),
+            "full_matrix_allreduce_bytes_per_step": sum(
+                encoder.get_input_embeddings().weight.numel() * 4 for _, encoder, *_ in run.encoders
+            ),
+        }
+
+    def result(self, run: Run, history: list[dict], summary: dict) -> TrainResult:
+        pipeline_dir = run.output_dir if run.config.save_as_full_pipeline else None
+        return TrainResult(
+            run.output_dir, run.output_dir / LEARNED_EMBEDS, pipeline_dir, run.tokens, history, summary
+        )
+
+
+METHOD = TextualInversion()
 
 
 def writes_pipeline(run: Run) -> bool:
     """Whether this process saves the full pipeline at the end (``--save_as_full_pipeline``, main process)."""
     return run.config.save_as_full_pipeline and run.accelerator.is_main_process
-
-
-def resume(run: Run, ckpt: Path | None) -> int:
-    """Load the checkpoint (if any) into the run; return the step training continues after (0: none)."""
-    if ckpt is None:
-        return 0
-    check_not_past_the_end(ckpt, run.max_steps)  # max_steps may come from num_train_epochs
-    load_state(run.accelerator, ckpt)
-    step = checkpoint_step(ckpt)
-    logger.info(f"resumed from {ckpt} at step {step}", main_process_only=True)
-    return step
-
-
-def record_startup(run: Run, called: float) -> None:
-    """Note in ``run.startup`` how long start-up took, up to the first step (its own time is in the history).
-
-    Args:
-        run: the run, about to take its first step.
-        called: ``time.perf_counter()`` when :func:`train` was called.
-    """
-    run.startup["seconds_to_first_step"] = time.perf_counter() - called
-    # the whole process: interpreter start, imports, then train()
-    run.startup["process_seconds_to_first_step"] = cpu.process_age()
-    logger.info(f"start-up took {run.startup['seconds_to_first_step']:.1f} s", main_process_only=True)
-
-
-def prepare_output_dir(run: Run, start: int) -> list[dict]:
-    """Make ``output_dir`` ready; return the history so far (steps 1..``start``).
-
-    The main process removes what the settings replace (``overwrite_output_dir``: every file of
-    an earlier run; always: temporaries of killed writes, and the summary of a run resumed after
-    it finished, which is not finished again until its outputs are), then writes the settings.
-    """
-    config, output_dir = run.config, run.output_dir
-    if run.accelerator.is_main_process:
-        if config.overwrite_output_dir and not config.resume_from_checkpoint:
-            clear_run(output_dir)
-        else:
-            clear_leftovers(output_dir)
-        (output_dir / SUMMARY).unlink(missing_ok=True)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        config.to_yaml(output_dir / TRAIN_CONFIG)
-    run.accelerator.wait_for_everyone()
-    return load_history(output_dir, start) if start else []
-
-
-def _step_groups(loader: Iterable[dict], size: int) -> Iterator[list[dict]]:
-    """The loader's micro-batches, ``size`` per optimisation step (fewer at the end of an epoch)."""
-    group: list[dict] = []
-    for batch in loader:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
-
-
-def _schedule(run: Run, start: int) -> Iterator[tuple[int, list[dict]]]:
-    """``(epoch, micro_batches)`` of each optimisation step after step ``start``, in order."""
-    accumulate = run.config.gradient_accumulation_steps
-    first_epoch = start // run.steps_per_epoch
-    skip = (start % run.steps_per_epoch) * accumulate  # micro-batches of this epoch already trained
-    for epoch in range(first_epoch, run.num_epochs):
-        run.sampler.epoch = epoch
-        loader = run.loader
-        if epoch == first_epoch and skip:
-            loader = run.accelerator.skip_first_batches(run.loader, skip)
-        for micro_batches in _step_groups(loader, accumulate):
-            yield epoch, micro_batches
-
-
-def train_loop(run: Run, start: int, history: list[dict]) -> int:
-    """Train from step ``start`` to ``run.max_steps``, appending to ``history``; return the last step."""
-    accelerator, step = run.accelerator, start
-    progress = tqdm(
-        total=run.max_steps,
-        initial=step,
-        desc="textual inversion",
-        unit="step",
-        disable=not accelerator.is_local_main_process,
-    )
-    step_start = time.perf_counter()
-    # Each step allocates and frees gigabytes; keeping freed memory avoids re-faulting it in (cpu.py).
-    # The bar is closed however the loop ends, so an error is printed on a line of its own.
-    with progress, cpu.keep_freed_memory():
-        for epoch, micro_batches in _schedule(run, start):
-            local_loss = training_step(run.parts, micro_batches, epoch, step + 1)
-            step += 1
-            loss = accelerator.reduce(torch.tensor(local_loss), reduction="mean").item()
-            history.append(
-                {
-                    "step": step,
-                    "loss": loss,
-                    "lr": run.parts.lr_scheduler.get_last_lr()[0],
-                    "seconds": time.perf_counter() - step_start,
-                }
-            )
-            tracking.log_step(accelerator, step, {"loss": loss, "lr": history[-1]["lr"]})
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}")
-            status.beat("training", step)  # helpers.launch's stall detection
-            faults.stall_after_step(accelerator.process_index, step)  # test-only
-            _periodic_saves(run, step, history)
-            step_start = time.perf_counter()
-            if step >= run.max_steps:
-                break
-    return step
-
-
-def _periodic_saves(run: Run, step: int, history: list[dict]) -> None:
-    config, accelerator = run.config, run.accelerator
-    if step % config.save_steps == 0 and accelerator.is_main_process:
-        path = run.output_dir / f"learned_embeds-steps-{step}.safetensors"
-        save_learned_embeds(path, config.placeholder_token, run.vectors)
-    if step % config.checkpointing_steps == 0:
-        vectors = run.vectors
-        save_checkpoint(
-            accelerator,
-            config,
-            run.output_dir,
-            step,
-            history,
-            lambda folder: save_learned_embeds(folder / LEARNED_EMBEDS, config.placeholder_token, vectors),
-        )
-    if config.validation_prompt and config.num_validation_images and step % config.validation_steps == 0:
-        if accelerator.is_main_process:
-            tracking.log_images(
-                accelerator, step, save_samples(run, run.output_dir / SAMPLES / f"step-{step}")
-            )
-        else:
-            status.beat(status.WAITING, step)  # rank 0 samples meanwhile
-        accelerator.wait_for_everyone()
-
-
-def _summary(run: Run, history: list[dict], steps: int) -> dict:
-    config, accelerator, vectors = run.config, run.accelerator, run.vectors
-    gathered = accelerator.gather(vectors.detach()[None])
-    identical = bool(all(torch.equal(gathered[0], g) for g in gathered))
-    del gathered  # a collective's output: gloo's thread must not be the one to free it at teardown
-    timed = [h["seconds"] for h in history[1:]] or [h["seconds"] for h in history]  # step 1 includes warm-up
-    seconds_per_step = sum(timed) / max(len(timed), 1)
-    images_per_step = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
-    counter = run.counter
-    return {
-        "world_size": accelerator.num_processes,
-        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        "steps": steps,
-        "final_loss": history[-1]["loss"] if history else None,
-        "seconds_per_step": seconds_per_step,
-        "steps_per_second": 1.0 / seconds_per_step if seconds_per_step else None,
-        "images_per_second": images_per_step / seconds_per_step if seconds_per_step else None,
-        "precision": run.precision.mixed_precision,
-        "precision_reason": run.precision.reason,
-        "placeholder_tokens": run.tokens,
-        "trainable_parameters": vectors.numel(),
-        "allreduce_bytes_per_step": counter.bytes // max(counter.calls, 1),
-        "allreduce_calls": counter.calls,  # one per optimizer step, none per accumulated micro-batch
-        "full_matrix_allreduce_bytes_per_step": run.text_encoder.get_input_embeddings().weight.numel() * 4,
-        "embeddings_identical_across_ranks": identical,
-        "threads_per_process": torch.get_num_threads(),
-        "startup": run.startup,  # seconds to the first step, what the latent cache and prepacking did
-    }
-
-
-def write_outputs(run: Run, history: list[dict], steps: int, copied: PipelineCopy | None) -> TrainResult:
-    """Write the learned embeddings, history, final samples, the pipeline and, last, the summary.
-
-    ``copied``: the :class:`PipelineCopy` started with the run when :func:`writes_pipeline`.
-    """
-    config, accelerator, output_dir = run.config, run.accelerator, run.output_dir
-    summary = _summary(run, history, steps)
-    run.hook.remove()
-    learned_path = output_dir / LEARNED_EMBEDS
-    pipeline_dir = output_dir if config.save_as_full_pipeline else None
-    status.beat("saving" if accelerator.is_main_process else status.WAITING, steps)
-    if accelerator.is_main_process:
-        with storage_errors(learned_path, "the learned embeddings"):
-            save_learned_embeds(learned_path, config.placeholder_token, run.vectors)
-            write_json(output_dir / HISTORY, history)
-        (output_dir / HISTORY_PARTIAL).unlink(missing_ok=True)  # history.json holds it all now
-        kept = list_checkpoints(output_dir)
-        if kept:  # a run resumed at its end saved none, yet the limit holds when it finishes
-            prune_checkpoints(output_dir, keep=kept[-1], limit=config.checkpoints_total_limit)
-        if config.validation_prompt and config.num_validation_images:
-            tracking.log_images(accelerator, steps, save_samples(run, output_dir / SAMPLES / "final"))
-        if config.save_as_full_pipeline:
-            with storage_errors(output_dir, "the full pipeline", discard=copied.folder):
-                save_full_pipeline(run, output_dir, copied)
-        elif (output_dir / MODEL_INDEX).exists():  # resumed without the flag: not this run's rows
-            remove_full_pipeline(output_dir)
-        write_json(output_dir / SUMMARY, summary)  # written last: marks a finished run
-    # Teardown in a safe order: every collective's output dropped (above), every rank past the
-    # barrier (no collective in flight), then the process group destroyed. Measured with torch
-    # 2.13: once torch._dynamo is imported (any optimizer step does) gloo's threads outlive
-    # destroy_process_group until the interpreter exits, so nothing may be left for them to free.
-    accelerator.wait_for_everyone()
-    faults.delay_in_collective_thread(accelerator.process_index)  # test-only: issue 11's exit race
-    accelerator.end_training()  # destroys the process group (MPICH aborts a rank that skips it)
-    return TrainResult(output_dir, learned_path, pipeline_dir, run.tokens, history, summary)

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from helpers.core.errors import InputError, run_cli
+from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.core.files import write_path_atomic, write_text_atomic
 from helpers.workshop.notebooks import NOTEBOOK_DIR, RECORD_MIME
 
@@ -231,7 +231,7 @@ def export_pdf(html_file: str | os.PathLike, pdf_path: str | os.PathLike) -> Pat
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``python -m helpers.workshop.handouts [--pdf] [--diagrams] [FOLDER]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m helpers.workshop.handouts",
         description="Write self-contained handouts of executed notebooks, or re-render the diagrams.",
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jupyterlab.labapp import LabApp
 
-from helpers.core.errors import InputError, run_cli
+from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.core.files import write_path_atomic, write_text_atomic
 from helpers.training.models import hub_connection_problem
 from helpers.workshop.notebooks import notebook_paths, tiny_profile
@@ -100,7 +100,7 @@ def prepare(folder: str | os.PathLike, offline: bool) -> list[Path]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m helpers.workshop.jupyter",
         description="Open JupyterLab on the workshop notebooks, prepared offline when the Hub cannot be reached.",
     )

@@ -21,7 +21,7 @@ import yaml
 
 from helpers.cluster import estimates
 from helpers.cluster.azure.spec import ClusterSpec
-from helpers.core.errors import InputError, run_cli
+from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.core.files import write_path_atomic
 from helpers.core.sources import classify_source
 from helpers.training.models import hub_unreachable_reason
@@ -235,7 +235,7 @@ def run_notebook(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``python -m helpers.workshop.notebooks [--out build] [NOTEBOOK ...]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m helpers.workshop.notebooks",
         description="Run the workshop notebooks headlessly on the tiny profile.",
     )

@@ -8,24 +8,30 @@ figures do not pile them up in pyplot's registry.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+from IPython.display import display
 from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 from PIL import Image
 
 from helpers.cluster import scaling
 from helpers.core.files import write_path_atomic
+from helpers.training.engine import events
 
 __all__ = [
     "image_grid",
     "image_rows",
     "line_groups",
+    "live_loss",
     "loss_curve",
     "moving_average",
     "save_figure",
@@ -190,6 +196,66 @@ def loss_curve(
     ax.legend(handles, labels, loc="upper right", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+class LiveLoss:
+    """A run's loss curve drawn while it trains: a listener of the run's events (``helpers.training.engine.events``).
+
+    One figure in the notebook, redrawn in place (not appended) at most every ``every_seconds`` and
+    at the run's last step, so a cell shows the progress bar and one curve that grows. Its text form
+    (what a handout or a log shows instead of the picture) names the last step drawn.
+    """
+
+    def __init__(self, smooth: int = 10, every_seconds: float = 5.0):
+        self.smooth, self.every_seconds = smooth, every_seconds
+        self.history: list[dict] = []
+        self._handle = None
+        self._drawn_at = -math.inf
+
+    def __call__(self, event: events.Event) -> None:
+        if not isinstance(event, events.StepEnded):
+            return
+        self.history.append(event.history_record())
+        last = event.step == event.max_steps
+        if last or time.monotonic() - self._drawn_at >= self.every_seconds:
+            self.draw(f"loss after step {event.step} of {event.max_steps}: {event.loss:.4f}")
+
+    def draw(self, text: str) -> None:
+        """Show the curve so far (the first call displays it, later ones replace it)."""
+        fig = loss_curve(self.history, self.smooth if len(self.history) > self.smooth else 0)
+        shown = _Picture(fig, text)
+        if self._handle is None:
+            self._handle = display(shown, display_id=True)
+        else:
+            self._handle.update(shown)
+        self._drawn_at = time.monotonic()
+
+
+class _Picture:
+    """A figure as a notebook shows it (PNG), with a line of text for everything else."""
+
+    def __init__(self, fig: Figure, text: str):
+        self.fig, self.text = fig, text
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.fig.savefig(buffer, format="png", dpi=100)
+        return buffer.getvalue()
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+@contextlib.contextmanager
+def live_loss(smooth: int = 10, every_seconds: float = 5.0) -> Iterator[LiveLoss]:
+    """Draw the loss of every run trained in this block while it trains (:class:`LiveLoss`)::
+
+    with plots.live_loss(smooth=10):
+        result = textual_inversion.train(config)
+    """
+    listener = LiveLoss(smooth, every_seconds)
+    with events.listening(listener):
+        yield listener
 
 
 def timing_bars(

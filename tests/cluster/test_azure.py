@@ -259,6 +259,43 @@ def test_ssh_source_up_to_a_16_or_a_48_is_accepted_silently(cidr):
         assert azure.ClusterSpec(ssh_source_cidr=cidr).ssh_source_cidr == cidr
 
 
+@pytest.mark.parametrize(
+    ("cidr", "ipv4"),
+    [
+        ("::ffff:203.0.113.7/128", "203.0.113.7/32"),
+        ("::ffff:203.0.113.7", "203.0.113.7/32"),
+        ("::ffff:198.51.100.0/120", "198.51.100.0/24"),
+        ("::ffff:10.0.0.0/112", "10.0.0.0/16"),
+        ("::FFFF:CB00:7107/128", "203.0.113.7/32"),
+    ],
+)
+def test_an_ipv4_mapped_source_of_any_prefix_is_written_as_ipv4(cidr, ipv4):
+    """Issue 48: an IPv4 client never matches an NSG rule written as ``::ffff:a.b.c.d``: the user
+    would lock themselves out."""
+    spec = azure.ClusterSpec(ssh_source_cidr=cidr)
+    assert spec.ssh_source_cidr == ipv4
+    rule = next(c for c in azure.plan(spec) if "--source-address-prefixes" in c.argv)
+    assert rule.argv[rule.argv.index("--source-address-prefixes") + 1] == ipv4
+
+
+@pytest.mark.parametrize(
+    ("location", "nearest"),
+    [("marsnorth", "uaenorth, germanynorth, italynorth"), ("westeuropa", "westeurope, westus, westus2"),
+     ("eastus4", "eastus, eastus2, westus")],
+)  # fmt: skip
+def test_an_unknown_location_is_one_line_naming_the_nearest_known_regions(location, nearest):
+    with pytest.raises(azure.AzureSpecError) as err:
+        azure.ClusterSpec(ssh_source_cidr=CIDR, location=location)
+    assert str(err.value) == (
+        f"location={location!r}: not an Azure region known here (nearest names: {nearest}). Fix: one of the "
+        f"names `az account list-locations --query [].name -o tsv` prints (a region newer than "
+        f"{azure_data.REGIONS_CHECKED_ON} goes into helpers.cluster.prices.AZURE_REGIONS)"
+    )
+    for region in ("eastus", "westeurope", "swedencentral", "southeastasia"):
+        assert azure.ClusterSpec(ssh_source_cidr=CIDR, location=region).location == region
+    assert len(set(azure_data.AZURE_REGIONS)) == len(azure_data.AZURE_REGIONS) >= 50
+
+
 def test_node_count_message_gives_the_real_range():
     for bad in (0, 1001, -3):
         with pytest.raises(azure.AzureSpecError) as err:
@@ -634,7 +671,16 @@ def test_cost_estimate_is_labelled_and_exact():
         ("2 public IPs (head, NAT)", 0.01),
     )
     assert (estimate.per_hour, estimate.total) == (0.823, 3.29)
-    assert str(estimate).startswith("ESTIMATE, not a quote: $0.823/hour, $3.29 for 4 h")
+    assert str(estimate).startswith(
+        "ESTIMATE, not a quote: $0.823/hour, $3.29 for 4 h, at East US (eastus) list prices\n"
+    )
+    assert "location" not in str(estimate)  # the cluster runs where the prices are from
+    elsewhere = azure.estimate_cost(azure.ClusterSpec(ssh_source_cidr=CIDR, location="westeurope"), hours=4)
+    assert (elsewhere.per_hour, elsewhere.location) == (0.823, "westeurope")
+    assert str(elsewhere).splitlines()[1] == (
+        "  The cluster's location is westeurope: its prices differ from East US (eastus)'s; check them in the "
+        "calculator below."
+    )
     assert azure_data.PRICES_CHECKED_ON in str(estimate) and "not included" in str(estimate)
     e8 = azure.estimate_cost(azure.ClusterSpec(ssh_source_cidr=CIDR, vm_size="Standard_E8s_v5", node_count=3))
     assert e8.per_hour == 1.567  # 3 x 0.504 + 0.045 + 0.01
@@ -690,6 +736,29 @@ def test_cli_reports_bad_input_in_one_line_with_exit_2_and_az_failures_with_exit
     assert azure.cli(["teardown", "--config", str(config), "--execute", "--confirm", "sd-workshop-rg"]) == 1
     assert "AuthorizationFailed" in capsys.readouterr().err
     assert azure.cli(["plan", "--config", str(config)]) == 0
+
+
+def test_an_unknown_size_without_a_price_is_the_error_alone_and_with_one_its_warning_in_one_line(
+    spec, tmp_path, capsys
+):
+    """Issue 48: a size not in the tables printed Python's two-line warning, then the error."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump({"ssh_source_cidr": CIDR, "vm_size": "Standard_Bogus_v9"}))
+    with warnings.catch_warnings(record=True) as shown:  # Python's own warning lines: none
+        warnings.simplefilter("always")
+        assert azure.cli(["plan", "--config", str(config)]) == 2
+    assert shown == []
+    assert capsys.readouterr().err == (
+        f"error: vm_size='Standard_Bogus_v9': no price in helpers.cluster.prices (checked "
+        f"{azure_data.PRICES_CHECKED_ON}). Fix: pass vm_price_per_hour= from "
+        "https://azure.microsoft.com/pricing/calculator/\n"
+    )
+    config.write_text(yaml.safe_dump({"ssh_source_cidr": CIDR, "vm_size": "Standard_Bogus_v9",
+                                      "output_dir": spec.output_dir}))  # fmt: skip
+    assert azure.cli(["plan", "--config", str(config), "--vm-price-per-hour", "0.4"]) == 0
+    out = capsys.readouterr()
+    assert out.err == f"warning: {azure_data.bf16_advice('Standard_Bogus_v9')}\n"
+    assert "ESTIMATE, not a quote: $0.855/hour" in out.out
 
 
 def test_python_dash_m_runs_the_package():

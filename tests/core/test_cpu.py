@@ -109,6 +109,14 @@ def test_keep_freed_memory_applies_on_glibc_and_restores_on_exit():
         assert again is applied
 
 
+def test_keep_freed_memory_leaves_glibcs_defaults_when_asked(monkeypatch):
+    """``WORKSHOP_MALLOC_DEFAULTS=1``: how bench/ measures a run with glibc's defaults."""
+    monkeypatch.setattr(cpu, "_glibc", lambda: pytest.fail("glibc was configured"))
+    monkeypatch.setenv(cpu.MALLOC_DEFAULTS_ENV, "1")
+    with cpu.keep_freed_memory() as applied:
+        assert applied is False
+
+
 def test_only_the_first_flags_line_counts_and_a_cpuinfo_without_one_has_no_flags(tmp_path):
     two = tmp_path / "two"
     two.write_text("processor\t: 0\nflags\t\t: avx2 fma\nprocessor\t: 1\nflags\t\t: avx2 fma amx_bf16\n")

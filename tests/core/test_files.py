@@ -155,6 +155,98 @@ def test_move_dir_into_place_swaps_a_folder_filled_by_name(tmp_path):
     assert names(dest) == ["new"] and names(tmp_path) == ["checkpoint-4"]
 
 
+# --- planted links: a link is replaced, never written through -------------------------------------
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A file outside the written folder, with known content, that planted links point at."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "shared").mkdir()
+    return victim
+
+
+@pytest.mark.parametrize(
+    "writer",
+    [
+        lambda p: write_text_atomic(p, "new"),
+        lambda p: write_bytes_atomic(p, b"new"),
+        lambda p: write_file_atomic(p, lambda fh: fh.write(b"new")),
+        lambda p: write_path_atomic(p, lambda tmp: tmp.write_bytes(b"new")),
+    ],
+    ids=["text", "bytes", "file", "path"],
+)
+def test_a_link_at_the_destination_is_replaced_and_its_target_kept(tmp_path, outside, writer):
+    path = tmp_path / "shared" / "history.json"
+    path.symlink_to(outside)
+    writer(path)
+    assert not path.is_symlink() and path.read_text() == "new"
+    assert outside.read_text() == "precious"
+    assert names(tmp_path / "shared") == ["history.json"]
+
+
+def test_a_link_planted_at_the_temporary_name_is_refused_not_followed(tmp_path, outside, monkeypatch):
+    path = tmp_path / "shared" / "history.json"
+    monkeypatch.setattr(files.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name guessed in advance
+    planted = tmp_path / "shared" / f".history.{os.getpid()}-00000000.tmp.json"
+    planted.symlink_to(outside)
+    for write in (lambda: write_text_atomic(path, "new"), lambda: write_path_atomic(path, lambda t: None)):
+        with pytest.raises(FileExistsError):
+            write()
+    assert outside.read_text() == "precious" and planted.is_symlink() and not path.exists()
+
+
+def test_write_file_atomic_writes_through_the_descriptor_it_created(tmp_path, outside):
+    """The temporary's name is never opened again: a link swapped in under it gets nothing."""
+    path = tmp_path / "shared" / "state.json"
+
+    def swap_then_write(fh):
+        tmp = next((tmp_path / "shared").iterdir())
+        tmp.unlink()
+        tmp.symlink_to(outside)
+        fh.write(b"mine")
+
+    write_file_atomic(path, swap_then_write)
+    assert outside.read_text() == "precious"
+
+
+def test_a_folder_swapped_onto_a_link_replaces_the_link(tmp_path, outside):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("theirs")
+    dest = tmp_path / "shared" / "checkpoint-4"
+    dest.symlink_to(elsewhere)
+    replace_dir_atomic(dest, fill_with({"new": "2"}))
+    assert not dest.is_symlink() and names(dest) == ["new"]
+    assert names(elsewhere) == ["keep"] and (elsewhere / "keep").read_text() == "theirs"
+    assert names(tmp_path / "shared") == ["checkpoint-4"]
+
+
+def test_keep_existing_does_not_take_a_link_for_another_builders_folder(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("theirs")
+    dest = tmp_path / "shared" / "model"
+    (tmp_path / "shared").mkdir()
+    dest.symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        replace_dir_atomic(dest, fill_with({"new": "2"}), keep_existing=True)
+    assert names(elsewhere) == ["keep"] and names(tmp_path / "shared") == ["model"]
+
+
+def test_discard_removes_a_link_not_its_target(tmp_path, outside):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("theirs")
+    for target in (outside, elsewhere):
+        link = tmp_path / "shared" / "link"
+        link.symlink_to(target)
+        files.discard(link)
+        assert not link.is_symlink()
+    assert outside.read_text() == "precious" and names(elsewhere) == ["keep"]
+
+
 # --- errors: one error naming the folder, never masked by the clean-up ---------------------------
 
 

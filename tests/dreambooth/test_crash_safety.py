@@ -36,7 +36,7 @@ from helpers.core.outputs import HISTORY, HISTORY_PARTIAL, SUMMARY
 from helpers.dreambooth import command, lora, saving, training
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.training import data, models
-from helpers.training.engine import TrainingInputError, checkpoints
+from helpers.training.engine import TrainingInputError, checkpoints, loop
 from helpers.training.engine.folder import LOCK_FILE, FolderLock, inspect_output_dir
 
 STEPS = 4
@@ -83,7 +83,7 @@ def reference(tmp_path_factory):
 
 @pytest.fixture
 def counter(monkeypatch):
-    """Counts the micro-batches a run trains (``training_step`` calls; one per step here)."""
+    """Counts the steps a run trains (``training_step`` calls, one per optimisation step)."""
     calls = []
     real = training.training_step
     monkeypatch.setattr(training, "training_step", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -127,7 +127,7 @@ CASES = [
     ),
     Case(
         "summary write: not finished, resume at the end rewrites the outputs",
-        lambda mp: crash_when(mp, saving, "write_json", lambda path, value: Path(path).name == SUMMARY),
+        lambda mp: crash_when(mp, loop, "write_json", lambda path, value: Path(path).name == SUMMARY),
         ["checkpoint-2", "checkpoint-4"],
         0,
     ),

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_parts import lora_updates, relative_difference  # tests/ is on sys.path under pytest
 
 from helpers.core.errors import InputError
 from helpers.dreambooth import class_images, lora, training
@@ -160,9 +161,12 @@ def test_one_unet_call_on_both_halves_equals_two_calls():
     with torch.no_grad():
         states = parts.text_encoder(ids)[0]
         args = (parts.unet, parts.noise_scheduler)
-        total, subject, prior = training.dreambooth_loss(*args, latents, noise, timesteps, states, True, 0.7)
+        both = {"encoder_hidden_states": states}
+        total, subject, prior = training.dreambooth_loss(*args, latents, noise, timesteps, both, True, 0.7)
         alone = [
-            training.dreambooth_loss(*args, latents[s], noise[s], timesteps[s], states[s], False)[0]
+            training.dreambooth_loss(
+                *args, latents[s], noise[s], timesteps[s], {"encoder_hidden_states": states[s]}, False
+            )[0]
             for s in (slice(0, 2), slice(2, 4))
         ]
     torch.testing.assert_close(subject, alone[0])
@@ -191,7 +195,14 @@ def test_the_lora_gets_the_same_gradient_through_prepacked_convolutions():
     def gradients() -> list[torch.Tensor]:
         for p in params:
             p.grad = None
-        args = (parts.unet, parts.noise_scheduler, latents, noise, torch.tensor([10, 700]), states)
+        args = (
+            parts.unet,
+            parts.noise_scheduler,
+            latents,
+            noise,
+            torch.tensor([10, 700]),
+            {"encoder_hidden_states": states},
+        )
         training.dreambooth_loss(*args, False)[0].backward()
         return [p.grad.clone() for p in params]
 
@@ -304,6 +315,7 @@ def run(tmp_path_factory):
         save_as_full_pipeline=True,
         validation_prompt="a photo of sks toy",
         num_validation_images=1,
+        output_kohya_format=True,
     )
     loaded = []
     original = models.load_components
@@ -330,6 +342,9 @@ def test_run_outputs(run):
     assert summary["lora_weights_bytes"] == result.lora_weights_path.stat().st_size
     assert summary["prepacked_convs"]["reason"] is None and summary["prepacked_convs"]["convolutions"] > 0
     assert not [p for p in out.rglob(".*") if p.name != ".class_images.json"]  # no temporaries left
+    kohya = load_file(out / lora.KOHYA_WEIGHTS)  # --output_kohya_format: the same matrices, kohya's keys
+    assert kohya.keys() == lora.kohya_state_dict(result.lora_weights_path).keys()
+    assert {k.split("_")[1] for k in kohya} == {"unet", "te1"}  # kohya names the text encoder lora_te1_
 
 
 MID_BLOCK_QK = [f"mid_block.attentions.0.transformer_blocks.0.attn1.{m}" for m in ("to_k", "to_q")]
@@ -442,9 +457,9 @@ def launch_args(root, out: str, batch: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def process_runs(tmp_path_factory):
-    """The same steps through helpers.launch, 2 processes x batch 1 (mpirun; torchrun from the command
-    line), and in one process with batch 2. The first run draws the 4 class images, 2 per rank; the
-    others reuse them."""
+    """The same steps through helpers.launch, 2 processes x batch 1 (mpirun; Ray Train workers;
+    torchrun from the command line), and in one process with batch 2. The first run draws the 4
+    class images, 2 per rank; the others reuse them."""
     import io
     import subprocess
     import sys
@@ -453,6 +468,9 @@ def process_runs(tmp_path_factory):
     layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
     commands = job.prepare_job(layout, launch_args(root, "mpirun", 1), "mpirun", module="helpers.dreambooth")
     job.run_job(commands, stream=io.StringIO(), cwd=root, timeout=900).raise_for_failure()
+    ray = job.prepare_job(ClusterLayout.local(2, threads_per_process=1), launch_args(root, "ray", 1), "ray",
+                          module="helpers.dreambooth")  # fmt: skip
+    job.run_job(ray, stream=io.StringIO(), cwd=root, timeout=900).raise_for_failure()
     torchrun = [sys.executable, "-m", "helpers.launch", "--launcher", "torchrun", "--nproc_per_node", "2",
                 "--threads_per_process", "1", "--main_process_port", str(free_port()),
                 "--module", "helpers.dreambooth", "--", *launch_args(root, "torchrun", 1)]  # fmt: skip
@@ -461,7 +479,7 @@ def process_runs(tmp_path_factory):
     for cmd in (torchrun, single, half):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    return {name: root / name for name in ("mpirun", "torchrun", "single", "half")}
+    return {name: root / name for name in ("mpirun", "ray", "torchrun", "single", "half")}
 
 
 def _summary(out) -> dict:
@@ -469,32 +487,18 @@ def _summary(out) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+@pytest.mark.parametrize("launcher", ["mpirun", "ray", "torchrun"])
 def test_two_ranks_all_reduce_only_the_lora_matrices(process_runs, launcher):
     s = _summary(process_runs[launcher])
     assert (s["world_size"], s["steps"], s["allreduce_calls"]) == (2, STEPS, STEPS)  # one all-reduce per step
     assert s["allreduce_bytes_per_step"] == s["trainable_parameters"] * 4  # the LoRA matrices, fp32
     assert s["full_unet_allreduce_bytes_per_step"] > 20 * s["allreduce_bytes_per_step"]
     assert s["lora_identical_across_ranks"] is True
-    generated = {"mpirun": 4, "torchrun": 0}[launcher]  # 2 per rank in the first run; then reused
+    generated = {"mpirun": 4, "ray": 0, "torchrun": 0}[launcher]  # 2 per rank in the first run; then reused
     assert (
         s["class_images"]["generated"] == generated
         and len(list((process_runs[launcher].parent / "class").glob("*.png"))) == 4
     )
-
-
-def _lora_updates(out) -> dict[str, torch.Tensor]:
-    """What each LoRA layer adds to its weight: ``B @ A`` (alpha = rank, so the scale is 1)."""
-    state = load_file(out / lora.LORA_WEIGHTS)
-    return {k: state[k] @ state[k.replace(".up.", ".down.")] for k in state if ".up." in k}
-
-
-def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """How far two runs' LoRA updates are apart: the norm of the difference over all layers,
-    relative to the norm of ``b``'s update."""
-    assert a.keys() == b.keys()
-    difference = sum(float((a[k] - b[k]).square().sum()) for k in b)
-    return (difference / sum(float(v.square().sum()) for v in b.values())) ** 0.5
 
 
 @pytest.mark.slow
@@ -520,10 +524,27 @@ def test_two_processes_batch_1_equal_one_process_batch_2(process_runs):
     losses = {k: [h["loss"] for h in json.loads((v / "history.json").read_text())] for k, v in runs.items()}
     assert losses["mpirun"] == pytest.approx(losses["single"], rel=1e-4)
     assert losses["half"] != pytest.approx(losses["single"], rel=1e-2)
-    single = _lora_updates(runs["single"])
-    same = _relative_difference(_lora_updates(runs["mpirun"]), single)
-    half = _relative_difference(_lora_updates(runs["half"]), single)
+    single = lora_updates(runs["single"])
+    same = relative_difference(lora_updates(runs["mpirun"]), single)
+    half = relative_difference(lora_updates(runs["half"]), single)
     assert same < 0.1 and half > 0.5, (same, half)
+
+
+@pytest.mark.slow
+def test_two_ray_workers_train_the_lora_of_two_mpirun_ranks(process_runs):
+    """helpers.launch --launcher ray --module helpers.dreambooth: the same loop in 2 Ray Train workers
+    gives the LoRA file and the losses of the same command under mpirun, bit for bit; the driver's
+    reports carry the engine's own losses."""
+    ray, mpirun = (load_file(process_runs[name] / lora.LORA_WEIGHTS) for name in ("ray", "mpirun"))
+    assert ray.keys() == mpirun.keys() and all(torch.equal(ray[k], mpirun[k]) for k in mpirun)
+    history = json.loads((process_runs["ray"] / "history.json").read_text())
+    assert [h["loss"] for h in history] == [
+        h["loss"] for h in json.loads((process_runs["mpirun"] / "history.json").read_text())
+    ]
+    run = json.loads((process_runs["ray"] / "launch" / "ray_run.json").read_text())
+    assert run["world_size"] == 2 and run["summary"] == _summary(process_runs["ray"])
+    assert run["reports"][-1]["step"] == STEPS
+    assert all(r["loss"] == history[r["step"] - 1]["loss"] for r in run["reports"])
 
 
 # --- the benchmark's code paths (numbers are bench/'s business) ---------------------------------------

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import launch
 from helpers.core import errors
+from helpers.core.errors import DistributedError
 from helpers.launching import accelerate_config, commands, preflight
 from helpers.launching.layout import (
     DEFAULT_PORT,
@@ -29,6 +31,7 @@ from helpers.launching.layout import (
     write_hostfile,
 )
 from helpers.ranks import backend, oneccl
+from helpers.training import data
 from helpers.workshop import forms
 
 HOSTS4 = ("node1", "node2", "node3", "node4")
@@ -63,8 +66,32 @@ def mpirun_for(flavour: MpiFlavour) -> str:
 def test_local_layout_defaults():
     layout = ClusterLayout.local(2)
     assert layout.is_local and layout.world_size == 2 and layout.num_machines == 1
-    assert layout.main_process_ip == "127.0.0.1" and layout.main_process_port == DEFAULT_PORT
+    assert layout.main_process_ip == "127.0.0.1" and layout.main_process_port != DEFAULT_PORT
+    with socket.socket() as s:  # on one machine the default is a port free now, not 29500
+        s.bind(("127.0.0.1", layout.main_process_port))
     assert layout.threads_per_process == max(1, physical_cores() // 2)
+    assert ClusterLayout(("node1", "node2"), 2, threads_per_process=1).main_process_port == DEFAULT_PORT
+
+
+def test_a_port_in_use_on_this_machine_is_one_line_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """The second of two jobs given the same port: refused before anything is written or started."""
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(DistributedError) as err:
+            preflight.check_port(ClusterLayout.local(2, main_process_port=port, threads_per_process=1))
+        assert str(err.value) == (
+            f"--main_process_port {port} is in use on this machine (another job?): pass another free port, or "
+            "leave the flag out on one machine (a free port is then picked)"
+        )
+        out = tmp_path / "out"
+        args = launch.parse_args(["--nproc_per_node", "2", "--main_process_port", str(port), "--",
+                                  "--train_data_dir", str(data.sample_concept_dir()), "--output_dir", str(out)])  # fmt: skip
+        assert launch.main(args) == 2
+    assert capsys.readouterr().err == f"error: {err.value}\n" and not out.exists()
+    preflight.check_port(ClusterLayout.local(2, main_process_port=port, threads_per_process=1))  # free again
 
 
 def test_port_0_picks_a_port_free_on_this_machine():

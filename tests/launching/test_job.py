@@ -6,8 +6,13 @@ import io
 import sys
 import time
 
+import pytest
+
+from helpers import launch
+from helpers.core.errors import DistributedError
 from helpers.launching import job
 from helpers.launching.commands import LaunchCommand
+from helpers.training import data
 
 
 def _python(code: str) -> LaunchCommand:
@@ -26,15 +31,25 @@ def test_a_job_that_succeeds_streams_rank_0_and_reports_no_failure(tmp_path):
     assert "hello from rank 1" in (tmp_path / "job.log").read_text()
 
 
-def test_a_failed_rank_is_named_and_the_others_stopped_after_the_grace():
+def test_a_failed_rank_is_named_and_the_others_stopped_at_once(tmp_path):
+    """A command that exits non-zero stops the job at once, with the default exit grace (60 s,
+    for ranks that end well): the other command, sleeping 60 s, is stopped long before."""
     crash = "import sys; print('[1] Traceback (most recent call last):'); print('[1] RuntimeError: boom'); sys.exit(3)"
     hang = "import time; time.sleep(60)"
-    started = time.monotonic()
-    result = job.run_job([_python(crash), _python(hang)], stream=io.StringIO(), exit_grace_seconds=1)
+    started, stream = time.monotonic(), io.StringIO()
+    result = job.run_job([_python(crash), _python(hang)], stream=stream, log_path=tmp_path / "job.log")
     assert time.monotonic() - started < 30
     assert (result.returncode, result.killed, result.failed_rank) == (3, True, 1)
     assert result.error == "RuntimeError: boom"
-    assert "the other ranks did not stop on their own; helpers.launch stopped them" in result.message()
+    assert result.message() == (
+        f"rank 1 failed after {result.seconds:.1f} s: RuntimeError: boom; helpers.launch stopped the other "
+        f"ranks. Every rank's output, tracebacks included: {tmp_path / 'job.log'}"
+    )
+    assert stream.getvalue() == ""  # the traceback is in the log, not on the screen
+    assert (
+        "[1] Traceback (most recent call last):\n[1] RuntimeError: boom\n"
+        in (tmp_path / "job.log").read_text()
+    )
 
 
 def test_the_timeout_stops_the_job():
@@ -42,3 +57,28 @@ def test_the_timeout_stops_the_job():
     result = job.run_job([_python("import time; time.sleep(60)")], stream=io.StringIO(), timeout=1)
     assert time.monotonic() - started < 30
     assert result.killed and not result.ok and result.returncode != 0
+
+
+def test_a_link_planted_where_the_job_writes_is_refused_and_its_target_kept(tmp_path, capsys, monkeypatch):
+    """``<output_dir>/launch`` (emptied at every start) and ``job.log`` (truncated) never follow a link:
+    one line and exit 2 before anything starts; the file the link points to keeps its content."""
+    monkeypatch.chdir(tmp_path)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "launch").symlink_to(precious)
+    train = ["--train_data_dir", str(data.sample_concept_dir()), "--output_dir", str(out)]
+    assert launch.main(launch.parse_args(["--launcher", "torchrun", "--dry_run", "--", *train])) == 2
+    assert capsys.readouterr().err == (
+        f"error: {out / 'launch'} is a symbolic link: remove it, or pass another --work_dir (the job empties "
+        "and writes it)\n"
+    )
+    log = tmp_path / "job.log"
+    log.symlink_to(precious / "notes.txt")
+    with pytest.raises(DistributedError, match="is a symbolic link: remove it"):
+        job.run_job([_python("print('x')")], stream=io.StringIO(), log_path=log)
+    assert (precious / "notes.txt").read_text() == "keep me" and sorted(
+        p.name for p in precious.iterdir()
+    ) == ["notes.txt"]

@@ -7,6 +7,7 @@ that the ranks agree bitwise and that 2 processes x batch 1 make the same update
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -37,8 +38,10 @@ import os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 from accelerate import Accelerator
+from helpers.ranks import status
 from helpers.ranks.backend import init_backend
 
+status.start()  # as helpers.train does under helpers.launch: its lock, and "done" below
 init_backend()
 acc = Accelerator(cpu=True)
 rank, world = acc.process_index, acc.num_processes
@@ -59,6 +62,7 @@ if mode in ("crash", "wait"):
         dist.all_reduce(torch.ones(1))
         time.sleep(0.1)
 acc.end_training()
+status.done()
 """
 MPIRUNS = {
     "intel": Path(sys.executable).parent / "mpirun",
@@ -84,22 +88,33 @@ def script(tmp_path, monkeypatch) -> Path:
 
 
 def small_job(
-    script: Path, launcher: str, mpirun: str | None = None, nodes: int = 1, backend: str = "gloo"
+    script: Path,
+    launcher: str,
+    mpirun: str | None = None,
+    nodes: int = 1,
+    backend: str = "gloo",
+    name: str = "",
 ) -> list[commands.LaunchCommand]:
-    if nodes == 1:
-        layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
+    """A 2-rank job of ``script``; ``name`` keeps two jobs' folders apart."""
+    if nodes == 1:  # on one machine the default port is a free one
+        layout = ClusterLayout.local(2, threads_per_process=1)
     else:
         layout = ClusterLayout(tuple(f"node{k}" for k in range(nodes)), 1, main_process_ip="127.0.0.1",
                                  main_process_port=free_port(), threads_per_process=1)  # fmt: skip
-    return commands.launch_commands(
+    status_dir = str(script.parent / f"status{name}")  # every rank reports there, as under helpers.launch
+    pid_dir = script.parent / f"pids{name}" if name else script.parent
+    pid_dir.mkdir(exist_ok=True)
+    cmds = commands.launch_commands(
         layout,
         [],
         launcher,
         mpirun=mpirun,
         entry=[str(script)],
-        log_dir=script.parent / "logs",
+        log_dir=script.parent / f"logs{name}",
         backend=backend,
+        extra_env={status.STATUS_DIR_ENV: status_dir, "PID_DIR": str(pid_dir)},
     )
+    return [dataclasses.replace(c, status_dir=status_dir) for c in cmds]
 
 
 def test_diagnose_prefers_the_root_cause_over_peers_and_wrappers():
@@ -112,7 +127,7 @@ def test_diagnose_prefers_the_root_cause_over_peers_and_wrappers():
     }
     assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "") == (
         1,
-        "the training process was killed by SIGKILL",
+        "the training process was killed by SIGKILL, for example by the out-of-memory killer",
     )
     errors[1] = ["RuntimeError: boom"]
     assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "") == (1, "RuntimeError: boom")
@@ -123,11 +138,34 @@ def test_diagnose_falls_back_to_the_launchers_summary():
         "Root Cause (first observed failure):\n[0]:\n  host : localhost\n  rank      : 1 (local_rank: 1)\n"
     )
     torchrun += "  exitcode  : -9 (pid: 9731)  (SIGKILL)\n"
-    assert rank_output.diagnose({}, {}, torchrun) == (1, "the launcher reports -9 (pid: 9731)  (SIGKILL)")
+    assert rank_output.diagnose({}, {}, torchrun) == (
+        1, "killed by SIGKILL, for example by the out-of-memory killer (the launcher reports -9 (pid: 9731)  (SIGKILL))"
+    )  # fmt: skip
     ompi = "  Process name: [[18462,1],1]\n  Exit code:    1\n"
     assert rank_output.diagnose({}, {}, ompi) == (1, "the launcher reports Exit code:    1")
-    hydra = "=   RANK 1 PID 123 RUNNING AT vm\n=   KILLED BY SIGNAL: 9 (Killed)\n"
-    assert rank_output.diagnose({}, {}, hydra) == (1, "the launcher reports KILLED BY SIGNAL: 9 (Killed)")
+    hydra = "=   RANK 0 PID 122 RUNNING AT vm\n=   KILLED BY SIGNAL: 15 (Terminated)\n"
+    hydra += "=   RANK 1 PID 123 RUNNING AT vm\n=   KILLED BY SIGNAL: 9 (Killed)\n"
+    assert rank_output.diagnose({}, {}, hydra) == (
+        0, "killed by SIGTERM (the launcher reports KILLED BY SIGNAL: 15 (Terminated))"
+    )  # fmt: skip
+    # the rank whose status says it failed first (rank 0 was stopped after it): its own report,
+    # unless that is the TERM helpers.launch sent its wrapper after it died
+    assert rank_output.diagnose({}, {}, hydra.replace("9 (Killed)", "15 (Terminated)"), rank=1) == (
+        1, rank_output.SILENT_END
+    )  # fmt: skip
+    assert rank_output.diagnose({}, {}, hydra, rank=1) == (
+        1, "killed by SIGKILL, for example by the out-of-memory killer (the launcher reports KILLED BY SIGNAL: 9 (Killed))"
+    )  # fmt: skip
+
+
+def test_diagnose_of_a_rank_known_to_have_failed_takes_its_own_error_or_says_it_ended_silently():
+    errors = {0: ["RuntimeError: Connection closed by peer"], 1: ["ValueError: bad"]}
+    assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "", rank=1) == (1, "ValueError: bad")
+    assert rank_output.diagnose({0: errors[0]}, {0: 1.0}, "", rank=1) == (1, rank_output.SILENT_END)
+    assert rank_output.SILENT_END == (
+        "it ended without an error message, as a process killed outright does (SIGKILL, for example by "
+        "the out-of-memory killer)"
+    )
 
 
 def test_output_is_sorted_by_rank_and_only_rank_0_is_streamed():
@@ -165,7 +203,9 @@ def test_two_ranks_form_one_group_and_a_crash_fails_the_job(script, launcher, mo
     start, stream = time.monotonic(), io.StringIO()
     result = job.run_job(small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun), stream=stream)
     assert time.monotonic() - start < 60
-    assert "rank 0 of 2 sum 3 threads 1" in stream.getvalue()  # rank 0 streamed, OMP_NUM_THREADS honoured
+    # OMP_NUM_THREADS honoured. Whether rank 0's line reaches the screen is a race: once rank 1 has
+    # failed, later lines go to the log only, and torchrun hands over its ranks' output in pieces.
+    assert any("rank 0 of 2 sum 3 threads 1" in ln for ln in result.tails[0])
     assert "rank 1 of 2" not in stream.getvalue() and any("rank 1 of 2 sum 3" in ln for ln in result.tails[1])
     assert result.returncode != 0 and result.failed_rank == 1
     assert result.error == "RuntimeError: deliberate failure on rank 1"
@@ -204,12 +244,13 @@ def test_two_ranks_form_one_ccl_group_under_every_launcher(script, launcher):
 def test_killing_a_rank_mid_run_fails_the_job_within_the_bound(
     script, launcher, backend, tmp_path, monkeypatch
 ):
-    """Both ranks all-reduce in a loop; rank 1 is killed. The job ends, naming rank 1, on either backend.
+    """Both ranks all-reduce in a loop; rank 1 is killed. The job ends, naming rank 1 and the kill, on
+    either backend, with the default exit grace (60 s, which is for ranks that end well).
 
-    On gloo the survivor's all-reduce fails at once. On ccl under Intel MPI it does not (oneCCL's
-    shared-memory transport does not see a dead peer; it would wait for the group's 30-min
-    timeout, and Hydra leaves it running): helpers.launch stops it once ``exit_grace_seconds``
-    have passed since rank 1's failure, as it stops any rank that outlives a failed one."""
+    On gloo the survivor's all-reduce fails at once. On ccl it does not (oneCCL's shared-memory
+    transport does not see a dead peer; it would wait for the group's 30-min timeout, and Hydra
+    leaves it running): rank 1's lock freed without its ``done`` report is a failure, and
+    helpers.launch stops the survivor at once (TERM, then KILL a few seconds later)."""
     if backend == "ccl" and not CCL_OK:
         pytest.skip(f"ccl cannot be used here: {CCL_REASON}")
     monkeypatch.setenv("MODE", "wait")  # both ranks all-reduce for 60 s unless stopped
@@ -225,21 +266,47 @@ def test_killing_a_rank_mid_run_fails_the_job_within_the_bound(
 
     threading.Thread(target=kill_rank_1, daemon=True).start()
     mpirun = None if launcher == "torchrun" else mpirun_for(launcher)
+    stream = io.StringIO()
     result = job.run_job(small_job(script, "torchrun" if mpirun is None else "mpirun", mpirun, backend=backend),
-                            stream=io.StringIO(), timeout=120, exit_grace_seconds=10)  # fmt: skip
-    assert killed_at and time.monotonic() - killed_at[0] < 60
+                            stream=stream, timeout=120)  # fmt: skip
+    assert killed_at and time.monotonic() - killed_at[0] < 40  # within the 60 s grace: it was not waited for
     assert any(ln.endswith(f"backend {backend}") for ln in result.tails[1])  # killed before it printed more
     assert result.returncode != 0 and result.failed_rank == 1
-    assert "SIGKILL" in result.error or "-9" in result.error
+    # accelerate launch's or the launcher's report of the kill, or (none) said as a silent end
+    assert "killed by SIGKILL, for example by the out-of-memory killer" in result.error or (
+        result.error == rank_output.SILENT_END
+    ), result.error
+    assert "Traceback" not in stream.getvalue()  # the survivor's traceback went to the log
+
+
+@pytest.mark.slow
+def test_two_jobs_side_by_side_on_one_machine_both_run(script):
+    """Two 2-rank jobs started together, neither given a port: each gets its own free one (both
+    once defaulted to 29500, and the second failed after a minute of tracebacks)."""
+    jobs = [small_job(script, "torchrun", name=str(k)) for k in range(2)]
+    ports = [cmds[0].argv[cmds[0].argv.index("--master_port") + 1] for cmds in jobs]
+    assert ports[0] != ports[1] and "29500" not in ports
+    results: dict[int, job.JobResult] = {}
+    threads = [
+        threading.Thread(target=lambda k=k: results.update({k: job.run_job(jobs[k], stream=io.StringIO(), timeout=300)}))
+        for k in range(2)
+    ]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=400)
+    assert [results[k].returncode for k in range(2)] == [0, 0], [results[k].message() for k in results]
+    assert all(any("rank 0 of 2 sum 3" in ln for ln in results[k].tails[0]) for k in range(2))
 
 
 @pytest.mark.slow
 def test_watchdog_stops_a_job_the_launchers_leave_hanging(script, fake_ssh, monkeypatch):
     """Two nodes, each its own torchrun (second one over the ssh stand-in): node 1's rank fails,
-    node 0's rank sleeps outside any collective. The watchdog ends the job after the grace time."""
+    node 0's rank sleeps outside any collective. The watchdog ends the job at once, with the
+    default exit grace: a failed rank is not waited for."""
     monkeypatch.setenv("MODE", "crash_and_hang")
     start = time.monotonic()
-    result = job.run_job(small_job(script, "torchrun", nodes=2), stream=io.StringIO(), exit_grace_seconds=3,
+    result = job.run_job(small_job(script, "torchrun", nodes=2), stream=io.StringIO(),
                             ssh=(str(fake_ssh),), timeout=120)  # fmt: skip
     assert time.monotonic() - start < 60
     assert result.killed and result.returncode != 0 and result.failed_rank == 1
@@ -319,7 +386,8 @@ STEPS = 2
 # (2 x 1 against 1 x 2), 3.3e-5 (accumulated) and 8.6e-6 for the same process with 1 thread against
 # 2. Training on half the data instead (what a rank without the all-reduce does) is 1.8e-3 away,
 # and its losses 6-8 % off (both measured on the Xeon; the 2 x 1 test checks that control every run).
-SPLIT_ATOL = 1e-4  # 20 % of one step (lr 5e-4)
+# An AVX2-only EPYC rounds most: 1.03e-4 (2 x 1 against 1 x 2, 2 steps) and 1.59e-4 (Ray resume, 3 steps).
+SPLIT_ATOL = 2e-4  # 40 % of one step (lr 5e-4); the half-data control is more than 5x that away
 SPLIT_LOSS_REL = 1e-4
 
 
@@ -416,7 +484,7 @@ def test_two_processes_batch_1_equal_one_process_batch_2(engine_runs):
 
     Same samples and draws: the per-step losses (mean over the two images) agree, and the learned
     rows agree to :data:`SPLIT_ATOL`, fp32 rounding as amplified by AdamW. The control trained on
-    half the data is more than 10x that tolerance away, so a rank training on its own gradient or on
+    half the data is more than 5x that tolerance away, so a rank training on its own gradient or on
     the wrong images fails here.
     """
     from transformers import CLIPTextModel
@@ -431,7 +499,7 @@ def test_two_processes_batch_1_equal_one_process_batch_2(engine_runs):
     assert losses["ray"] == pytest.approx(losses["single"], rel=SPLIT_LOSS_REL)  # Ray Train workers: the same
     torch.testing.assert_close(learned(engine_runs["ray"]), single, rtol=0, atol=SPLIT_ATOL)
     torch.testing.assert_close(learned(engine_runs["ray"]), two, rtol=0, atol=SPLIT_ATOL)
-    assert (learned(engine_runs["half"]) - single).abs().max() > 10 * SPLIT_ATOL
+    assert (learned(engine_runs["half"]) - single).abs().max() > 5 * SPLIT_ATOL
     assert losses["half"] != pytest.approx(losses["single"], rel=100 * SPLIT_LOSS_REL)
     encoder = CLIPTextModel.from_pretrained(models.resolve_model("tiny"), subfolder="text_encoder")
     start = encoder.get_input_embeddings().weight[5988].detach()  # "toy", the initializer token
@@ -441,7 +509,7 @@ def test_two_processes_batch_1_equal_one_process_batch_2(engine_runs):
 @pytest.mark.slow
 def test_the_ray_driver_reports_what_the_engine_wrote(engine_runs):
     """The driver's record (<work_dir>/ray_run.json): the steps reported through ray.train.report
-    with the loss rank 0's bar showed (4 decimals), the engine's exact history, the start-up times."""
+    with the engine's own loss of each step, the engine's exact history, the start-up times."""
     out = engine_runs["ray"]
     run = json.loads((out / "launch" / "ray_run.json").read_text())
     history = json.loads((out / "history.json").read_text())
@@ -450,7 +518,7 @@ def test_the_ray_driver_reports_what_the_engine_wrote(engine_runs):
     steps = [r["step"] for r in run["reports"]]
     assert steps[0] == 1 and steps[-1] == STEPS and steps == sorted(set(steps))  # first, last, none twice
     for report in run["reports"]:
-        assert report["loss"] == pytest.approx(history[report["step"] - 1]["loss"], abs=5e-5)
+        assert report["loss"] == history[report["step"] - 1]["loss"]
     assert run["startup"]["ray_init_seconds"] > 0 and run["startup"]["workers_started_seconds"] > 0
 
 
@@ -605,8 +673,9 @@ def _rank_pids(folder: Path) -> list[int]:
 )
 def test_no_rank_outlives_its_launcher_however_it_ends(tmp_path, launcher, sig):
     """``python -m helpers.launch`` training 2 ranks is killed outright (a restarted notebook
-    kernel), terminated (a scheduler's limit) or hung up (a closed terminal) mid-run: every rank
-    is gone within a few seconds, and the run is not marked finished (no ``run_summary.json``)."""
+    kernel), terminated (a scheduler's limit) or hung up (a closed terminal) mid-run: every rank,
+    and every other process the launcher started (mpirun, torchrun, the Ray driver and its
+    runtime), is gone within a few seconds, and the run is not marked finished."""
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "helpers.launch", "--launcher", launcher, "--nproc_per_node", "2",
             "--threads_per_process", "1", "--main_process_port", str(free_port()), "--",
@@ -627,14 +696,19 @@ def test_no_rank_outlives_its_launcher_however_it_ends(tmp_path, launcher, sig):
             time.sleep(0.5)
         time.sleep(2.0)  # both ranks silent now
         ranks = [psutil.Process(pid) for pid in _rank_pids(status_dir)]
+        started = psutil.Process(proc.pid).children(recursive=True)  # Ray's workers are the raylet's
         proc.send_signal(sig)
         gone, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"ranks still running 10 s after {sig.name} to the launcher: {alive}"
+        gone, alive = psutil.wait_procs(started, timeout=10)
+        assert not alive, (
+            f"still running 20 s after {sig.name} to the launcher: {[p.cmdline() for p in alive]}"
+        )
         assert proc.wait(timeout=30) != 0
         if sig != signal.SIGKILL:  # the launcher itself said what happened and how to go on
             err = proc.stderr.read()
             assert f"error: interrupted ({sig.name} received); every rank was stopped" in err
-            assert "--resume_from_checkpoint latest" in err
+            assert "no checkpoint was written yet, so it must start over: run the same command again" in err
         assert not (out / "run_summary.json").exists()
     finally:
         if proc.poll() is None:

@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from helpers import launch
-from helpers.launching import commands, job, preflight, rank_output, supervise
+from helpers.launching import commands, job, preflight, rank_output, ray_worker, supervise
 from helpers.launching import ray_train as ray_launch
 from helpers.launching.layout import ClusterLayout, free_port
 from helpers.ranks import faults, status
+from helpers.training.engine import events
 from launching.test_launch import (
     AUTO,
     SPLIT_ATOL,
@@ -39,17 +40,23 @@ RAY_PROCESSES = ("raylet", "gcs_server")
 
 
 def ray_temp_dirs() -> set[str]:
-    """Private runtimes' folders (helpers.launching.ray_train makes /tmp/ray-*)."""
-    return {str(p) for p in Path("/tmp").glob("ray-*")}
+    """Private runtimes' folders (helpers.launching.ray_train makes ``$RAY_TMPDIR/ray-*``; conftest
+    gives each test worker its own ``RAY_TMPDIR``)."""
+    return {str(p) for p in Path(os.environ["RAY_TMPDIR"]).glob("ray-*")}
 
 
 def ray_processes() -> set[int]:
-    """Pids of Ray's daemons and workers on this machine now."""
+    """Pids of Ray's daemons and workers on this machine now, started from this test worker (they
+    inherit its ``WORKSHOP_TEST_WORKER``; another worker's Ray is not this test's business)."""
     found = set()
     for p in psutil.process_iter(["name", "cmdline"]):
         text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])[:1]])
         if any(n in text for n in RAY_PROCESSES) or text.startswith("ray::"):
-            found.add(p.pid)
+            try:
+                if p.environ().get("WORKSHOP_TEST_WORKER") == os.environ["WORKSHOP_TEST_WORKER"]:
+                    found.add(p.pid)
+            except psutil.Error:  # ended meanwhile
+                pass
     return found
 
 
@@ -87,7 +94,7 @@ def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
         ("bar 50%(RayTrainWorker pid=22) Traceback (most recent call last):", "\n"),  # right after a redraw
         ("(RayTrainWorker pid=22) RuntimeError: boom", "\n"),
         ("(PlacementGroupCleaner pid=44) Failed to query Ray Train Controller actor state.", "\n"),
-        ("bar 60%(RayTrainWorker pid=33, ip=10.0.0.4) learned embeddings: out", "\n"),  # rank 0's: shown
+        ("bar 60%(RayTrainWorker pid=33, ip=10.0.0.4) learned embeddings: out", "\n"),  # rank 0's
     ]  # fmt: skip
     for text, end in pieces:
         out.feed(0, cmd, text, end)
@@ -95,8 +102,8 @@ def test_ray_lines_are_sorted_by_rank_through_the_workers_pids():
         "helpers.launching.ray_train: Ray 2.60.0 started on this machine in 9.0 s\n"
         f"{rank_output.WORKER_TAG} rank 0 of 2, pid 33, node 10.0.0.4 (a)\nprecision: fp32 requested\n"
         "\rbar 50%\r"  # rank 1's line is not shown: the bar goes on redrawing in place
-        "bar 60%\nlearned embeddings: out\n"
-    )
+    )  # and once rank 1 has failed (its traceback), nothing more: the log has it
+    assert out.quiet and "[0] learned embeddings: out\n" in log.getvalue()
     assert out.ray_ranks == {22: 1, 33: 0}
     assert list(out.tails[1])[1:] == ["Traceback (most recent call last):", "RuntimeError: boom"]
     assert out.errors == {1: ["RuntimeError: boom"]}
@@ -127,15 +134,38 @@ def test_diagnose_names_the_worker_the_driver_reports_first():
     )  # fmt: skip
 
 
-def test_the_bar_reader_keeps_the_loss_and_drops_the_redraws():
-    stream = io.StringIO()
-    bar = ray_launch._BarReader(stream)
-    bar.write("\rtextual inversion:  50%|#####     | 1/2 [00:00<00:00, loss=1.1072]")
-    bar.write("\rtextual inversion: 100%|##########| 2/2 [00:00<00:00, loss=1.0881]")
-    assert bar.loss == 1.0881
-    bar.write("\n")  # the bar's closing newline
-    bar.write("learned embeddings: x\n")
-    assert stream.getvalue() == "learned embeddings: x\n"
+def test_the_step_reporter_reports_the_first_and_last_step_and_each_interval(monkeypatch):
+    """The worker's events listener: a report at the run's first step, its last, and whenever
+    REPORT_SECONDS passed; each with the step's exact loss and the mean of the steps since the last."""
+    import ray.train
+
+    reports, clock = [], iter([0.0, 0.5, 2.5, 3.0, 3.2])
+    monkeypatch.setattr(ray.train, "report", reports.append)
+    monkeypatch.setattr(ray_worker.time, "perf_counter", lambda: next(clock))
+    reporter = ray_worker.StepReporter(rank=0, started_at=1.0)
+    for step, seconds in zip(range(1, 6), [4.0, 1.0, 2.0, 0.5, 1.5], strict=True):
+        reporter(
+            events.StepEnded(step, 5, loss=1 / step, lr=1e-3, seconds=seconds, images_per_second=2 / seconds)
+        )
+    reporter(events.Saved(5, "outputs", Path("out")))  # not a step: no report
+    assert [(r["step"], r["loss"], r["seconds_per_step"], r["images_per_second"]) for r in reports] == [
+        (1, 1.0, 4.0, 0.5),
+        (3, 1 / 3, 1.5, 2 / 1.5),  # 2.5 s after the first report
+        (5, 0.2, 1.0, 2.0),  # the last step
+    ]
+    assert {(r["rank"], r["started_at"]) for r in reports} == {(0, 1.0)}
+
+
+def test_the_workers_show_no_progress_bar_of_their_own(tmp_path, monkeypatch):
+    """The driver shows the one bar: it hands the workers TQDM_DISABLE=1, which turns off the bar
+    the run loop shows on a local main process (elsewhere it shows)."""
+    args = ray_launch.parse_args(["--nproc_per_node", "2", "--threads_per_process", "1", "--work_dir",
+                                  str(tmp_path), "--status_dir", str(tmp_path / "s"), "--", *train_args(tmp_path)])  # fmt: skip
+    job_spec = ray_launch._job(args, ray_launch.PARSERS[args.module](args.train_args))
+    assert job_spec["module"] == "helpers.train" and job_spec["env"]["TQDM_DISABLE"] == "1"
+    assert events.ProgressBar("x", 3, 0, show=True).bar.disable is False
+    monkeypatch.setenv("TQDM_DISABLE", job_spec["env"]["TQDM_DISABLE"])
+    assert events.ProgressBar("x", 3, 0, show=True).bar.disable is True
 
 
 def test_supervise_listeners_see_every_beat_and_finish_reads_as_an_exit(tmp_path, monkeypatch):
@@ -149,13 +179,14 @@ def test_supervise_listeners_see_every_beat_and_finish_reads_as_an_exit(tmp_path
         status.beat("training", 5)
         watcher = supervise.Watcher(tmp_path)
         assert watcher.poll(0.0)[3].alive
-        status.finish()
+        status.finish()  # succeeded (the default): reports done, then frees the lock
         assert not watcher.poll(1.0)[3].alive and watcher.first_exit() == (3, 1.0)
+        assert watcher.failures() == []
         status.beat("training", 6)  # after finish: listeners only, no status written
     finally:
         status._listeners.clear()
-    assert seen == [("started", None), ("training", 5), ("training", 6)]
-    assert json.loads((tmp_path / "rank3.json").read_text())["step"] == 5
+    assert seen == [("started", None), ("training", 5), (status.DONE, None), ("training", 6)]
+    assert json.loads((tmp_path / "rank3.json").read_text())["state"] == status.DONE
 
 
 @pytest.mark.parametrize(
@@ -275,8 +306,9 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
             except (OSError, ValueError):
                 report = {}
             if report.get("state") == "training":
+                running = ray_processes() - before  # the check at the end is not vacuous: it sees these
                 os.kill(report["pid"], signal.SIGKILL)
-                killed.append((time.monotonic(), report["pid"], report["host"]))
+                killed.append((time.monotonic(), report["pid"], report["host"], running))
                 return
             time.sleep(0.2)
 
@@ -285,12 +317,19 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
     assert killed, "rank 1 never started training"
     assert time.monotonic() - killed[0][0] < 60
     assert result.returncode == 1 and result.failed_rank == 1
-    _, pid, host = killed[0]
-    assert result.error.startswith(f"the launcher reports failed on node {host} (pid {pid}): ")
-    first, *rest = result.message().splitlines()
-    assert first.startswith("rank 1 failed (exit code 1, after ")
-    assert rest[0] == "last lines of rank 1:"
-    assert any(line.startswith(f"  {rank_output.WORKER_TAG} rank 1 of 2, pid {pid}") for line in rest[1:])
+    _, pid, host, running = killed[0]
+    assert pid in running and len(running) >= 4  # the two workers, the raylet and the GCS at least
+    # Two witnesses, whichever is first: rank 1's status (its lock freed without "done": it ended
+    # without a word) or the Ray driver's report of the dead actor, naming its node and pid.
+    assert result.error == rank_output.SILENT_END or result.error.startswith(
+        f"the launcher reports failed on node {host} (pid {pid}): "
+    )
+    assert result.message() == (
+        f"rank 1 failed after {result.seconds:.1f} s: {result.error}; helpers.launch stopped the other "
+        f"ranks. Every rank's output, tracebacks included: {out / 'launch' / 'job.log'}"
+    )
+    log = (out / "launch" / "job.log").read_text()
+    assert f"{rank_output.WORKER_TAG} rank 1 of 2, pid {pid}" in log  # the line that says which node
     assert not (out / "run_summary.json").exists()
     assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]
     assert ray_processes() <= before and ray_temp_dirs() <= dirs
@@ -598,3 +637,23 @@ def test_make_setup_checks_the_ray_pin():
 
     assert environment.pinned_versions()["ray"] == ray_launch.ray_version() == "2.60.0"
     assert not [p for p in environment.problems() if "ray" in p]
+
+
+def test_the_launcher_removes_a_private_runtime_folder_its_killed_driver_left(tmp_path, monkeypatch):
+    """A driver killed while stopping leaves its ``ray-*`` folder: helpers.launch removes it once the job
+    has ended, and nothing else (a note naming a folder elsewhere is only dropped)."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    status_dir = tmp_path / "status"
+    status_dir.mkdir()
+    left = tmp_path / "ray-abc123"
+    (left / "session_x" / "sockets").mkdir(parents=True)
+    note = status_dir / ray_launch.PRIVATE_FOLDER_NOTE
+    note.write_text(str(left))
+    ray_launch.remove_private_folder(status_dir)
+    assert not left.exists() and not note.exists()
+    elsewhere = tmp_path / "home" / "ray-keep"
+    elsewhere.mkdir(parents=True)
+    note.write_text(str(elsewhere))
+    ray_launch.remove_private_folder(status_dir)
+    assert elsewhere.is_dir() and not note.exists()
+    ray_launch.remove_private_folder(status_dir)  # no note: nothing to do

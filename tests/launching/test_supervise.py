@@ -68,6 +68,25 @@ def test_watcher_sees_exit_stall_and_waiting_ranks(tmp_path):
             p.wait()
 
 
+def test_a_rank_that_exits_without_reporting_done_is_a_failure_one_that_reported_it_is_not(tmp_path):
+    """A free lock after ``done`` is a rank that succeeded (the others get the exit grace); a free
+    lock without it is a failure, SIGKILL included (the launcher stops the job at once)."""
+    folder = supervise.prepare(tmp_path / "status")
+    ranks = {0: start_rank(folder, 0, status.DONE), 1: start_rank(folder, 1, "training")}
+    try:
+        watcher = supervise.Watcher(folder)
+        for rank in (1, 0):
+            ranks[rank].kill()
+            ranks[rank].wait()
+            watcher.poll(now=10.0 + rank)
+        assert watcher.running() == [] and watcher.failures() == [1]
+        assert (watcher.ranks[0].failed, watcher.ranks[1].failed) == (False, True)
+    finally:
+        for p in ranks.values():
+            p.kill()
+            p.wait()
+
+
 def test_outputs_complete_only_when_the_summary_was_written_by_this_run(tmp_path):
     summary = tmp_path / "run_summary.json"
     assert supervise.outputs(str(tmp_path), time.time()) == (

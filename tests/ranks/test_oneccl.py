@@ -208,7 +208,8 @@ def _run_ranks(ranks: list[int], world: int, mode: str, timeout: float) -> dict[
                 pytest.fail(f"rank {r} of {world} ({mode}) still running after {HARD_LIMIT:.0f} s: a hang")
             lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
             res = json.loads(lines[-1][7:]) if lines else {}
-            out[r] = {**res, "returncode": p.returncode, "output": text[-3000:]}
+            ccl_lines = [ln for ln in text.splitlines() if "|CCL_" in ln]  # oneCCL's own messages
+            out[r] = {**res, "returncode": p.returncode, "output": text[-3000:], "ccl_lines": ccl_lines}
         return out
     finally:
         for p in procs.values():
@@ -225,6 +226,7 @@ def test_collectives_match_gloo(ccl_built, world):
         assert res["provider"] == "helpers.ranks.oneccl"
         assert res["checks"] > 60
         assert res["failures"] == [], f"rank {r}: {res['failures']}"
+        assert res["ccl_lines"] == []  # issue 48: not even oneCCL's notice of CCL_LOG_LEVEL itself
 
 
 def test_a_rank_that_never_joins_is_an_error_within_the_timeout(ccl_built):
@@ -257,6 +259,23 @@ def test_environment_chooses_the_transport():
     assert many["FI_PROVIDER"] == "tcp" and many["FI_TCP_IFACE"] == many["CCL_KVS_IFACE"] == "eth1"
     assert "CCL_ATL_SHM" not in many and "CCL_YIELD" not in many
     assert all(reason and "\n" not in reason for _, _, reason in oneccl.environment(4, 3, 2, 1, "eth0"))
+
+
+def test_only_oneccls_notice_of_its_own_log_level_is_held_back(capfd, monkeypatch):
+    from helpers.ranks import oneccl
+
+    notice = (
+        b"2026:11:27-20:48:06:10167 |CCL_WARN| value of CCL_LOG_LEVEL changed to be error (default:warn)\n"
+    )
+    other = b"2026:11:27-20:48:06:10167 |CCL_ERROR| something real\n"
+    monkeypatch.setenv("CCL_LOG_LEVEL", "error")
+    with oneccl._without_log_level_notice():
+        os.write(1, notice + other + b"a line of the program\n")
+    assert capfd.readouterr().out == (other + b"a line of the program\n").decode()
+    monkeypatch.setenv("CCL_LOG_LEVEL", "warn")  # someone asked for oneCCL's warnings: all of them
+    with oneccl._without_log_level_notice():
+        os.write(1, notice.replace(b"error (", b"warn ("))
+    assert capfd.readouterr().out == notice.replace(b"error (", b"warn (").decode()
 
 
 def test_build_command_prints_one_line(ccl_built):

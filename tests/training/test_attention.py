@@ -13,6 +13,7 @@ from transformers import CLIPTokenizer
 from helpers.core import cpu
 from helpers.training import models
 from helpers.training.engine import attention, setup
+from helpers.training.families import sd1
 
 
 def _output_and_gradient(attn: Attention, processor, x: torch.Tensor, context: torch.Tensor | None):
@@ -62,6 +63,6 @@ def test_the_engine_uses_it_for_bf16_only(tmp_path):
         config = tiny_config(tmp_path, mixed_precision=precision)
         choice = cpu.choose_precision(precision, flags=frozenset({"avx512_bf16"}))
         tokenizer = CLIPTokenizer.from_pretrained(model_dir / "tokenizer")
-        unet = setup._load_modules(config, model_dir, tokenizer, choice)[1]
+        unet = setup._load_modules(config, model_dir, (tokenizer,), sd1.FAMILY, choice)[1]
         processors = set(map(type, unet.attn_processors.values()))
         assert processors == {kind}

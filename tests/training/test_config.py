@@ -150,8 +150,21 @@ def test_paths_become_text(tmp_path):
         ("learning_rate", -1e-3, "learning_rate=-0.001: must be greater than 0 (e.g. 5e-4)"),
         ("learning_rate", "5e-4x", "learning_rate='5e-4x': expected a number, e.g. 0.0005"),
         ("learning_rate", True, "learning_rate=True: expected a number, e.g. 0.0005"),
-        ("resolution", 0, "resolution=0: must be greater than 0 (e.g. 512, or 64 for 'tiny')"),
-        ("resolution", -64, "resolution=-64: must be greater than 0 (e.g. 512, or 64 for 'tiny')"),
+        (
+            "resolution",
+            0,
+            "resolution=0: must be greater than 0 and at most 2048 (e.g. 512, or 64 for 'tiny')",
+        ),
+        (
+            "resolution",
+            -64,
+            "resolution=-64: must be greater than 0 and at most 2048 (e.g. 512, or 64 for 'tiny')",
+        ),
+        (
+            "resolution",
+            100000,
+            "resolution=100000: must be greater than 0 and at most 2048 (e.g. 512, or 64 for 'tiny')",
+        ),
         ("resolution", "64.5", "resolution='64.5': expected a whole number, e.g. 512"),
         ("resolution", [64], "resolution=[64]: expected a whole number, e.g. 512"),
         ("train_batch_size", 0, "train_batch_size=0: must be at least 1"),

@@ -46,7 +46,8 @@ from helpers.core.outputs import (
 from helpers.training import models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import TrainConfig
-from helpers.training.engine import checkpoints
+from helpers.training.engine import checkpoints, encoder_rows, loop
+from helpers.training.engine.folder import hold_output_dir
 
 STEPS = 4
 
@@ -122,13 +123,13 @@ PIPELINE = {"save_as_full_pipeline": True}
 CASES = [
     Case(
         "final embeddings write: resumed at the last step, only the outputs are written",
-        lambda mp: crash_when(mp, ti, "save_learned_embeds", final(LEARNED_EMBEDS)),
+        lambda mp: crash_when(mp, encoder_rows, "save_learned_embeds", final(LEARNED_EMBEDS)),
         checkpoints=["checkpoint-2", "checkpoint-4"],
         trained_after=0,
     ),
     Case(
         "checkpoint-4 write, limit 1: checkpoint-2 survives (rotation waits for the new one)",
-        lambda mp: crash_when(mp, ti, "save_learned_embeds", in_folder(".checkpoint-4.tmp")),
+        lambda mp: crash_when(mp, encoder_rows, "save_learned_embeds", in_folder(".checkpoint-4.tmp")),
         checkpoints=["checkpoint-2"],
         trained_after=2,
         overrides={"checkpoints_total_limit": 1},  # the error removed the temporary on its way out
@@ -151,12 +152,12 @@ CASES = [
     ),
     Case(
         "final history write: resumed at the last step",
-        lambda mp: crash_when(mp, ti, "write_json", named(HISTORY)),
+        lambda mp: crash_when(mp, loop, "write_json", named(HISTORY)),
         checkpoints=["checkpoint-2", "checkpoint-4"],
     ),
     Case(
         "summary write (everything else written): not finished, resume rewrites the outputs",
-        lambda mp: crash_when(mp, ti, "write_json", named(SUMMARY)),
+        lambda mp: crash_when(mp, loop, "write_json", named(SUMMARY)),
         checkpoints=["checkpoint-2", "checkpoint-4"],
         overrides=PIPELINE,
         whole_pipeline=True,
@@ -173,7 +174,7 @@ CASES = [
     ),
     Case(
         "after step 3: resumed from checkpoint-2, trains steps 3 and 4 again",
-        lambda mp: crash_when(mp, ti, "_periodic_saves", lambda run, step, history: step == 3),
+        lambda mp: crash_when(mp, ti.METHOD, "after_step", lambda run, step: step == 3),
         checkpoints=["checkpoint-2"],
         trained_after=2,
     ),
@@ -212,7 +213,7 @@ CASES = [
     ),
     Case(
         "another run's folder (seed 1, stopped after step 3): --overwrite_output_dir starts over",
-        lambda mp: crash_when(mp, ti, "_periodic_saves", lambda run, step, history: step == 3),
+        lambda mp: crash_when(mp, ti.METHOD, "after_step", lambda run, step: step == 3),
         checkpoints=["checkpoint-2"],
         then="overwrite",
         trained_after=STEPS,
@@ -313,7 +314,7 @@ def test_resume_into_a_folder_of_another_run_is_refused(reference, tmp_path, mon
     of this one; its history would mix two runs."""
     out = tmp_path / "out"
     with monkeypatch.context() as mp:
-        crash_when(mp, ti, "_periodic_saves", lambda run, step, history: step == 3)
+        crash_when(mp, ti.METHOD, "after_step", lambda run, step: step == 3)
         with pytest.raises(Crash):
             ti.train(config(out, seed=1))
     ckpt = reference.output_dir / "checkpoints" / "checkpoint-2"
@@ -492,6 +493,41 @@ def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path):
     assert proc.returncode == checkpoints.INTERRUPTED_EXIT, err[-2000:]
     assert err.rstrip().splitlines()[-1] == checkpoints.INTERRUPTED and "Traceback" not in err
     assert ti.inspect_output_dir(out).state == "interrupted" and checkpoints.list_checkpoints(out)
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_start_over_and_the_same_command_is_accepted(tmp_path):
+    """Issue 48: Ctrl-C before any checkpoint said to resume from one (none existed; that command
+    then failed) and the folder refused the same command again. Now the line says the run must start
+    over, and running the same command again is accepted: the stopped run's files are removed."""
+    import time
+
+    from helpers.training.config import parse_args
+
+    out = tmp_path / "out"
+    flags = _flags(settings(out, max_train_steps=500, checkpointing_steps=400))
+    proc = subprocess.Popen([sys.executable, "-m", "helpers.train", *flags], cwd=tmp_path, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while (
+            not (out / "train_config.yaml").exists() and time.monotonic() < deadline and proc.poll() is None
+        ):
+            time.sleep(0.2)
+        assert (out / "train_config.yaml").exists(), "no settings written within 300 s"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == checkpoints.INTERRUPTED_EXIT, err[-2000:]
+    assert err.rstrip().splitlines()[-1] == checkpoints.START_OVER and "Traceback" not in err
+    assert ti.inspect_output_dir(out).state == "interrupted" and not checkpoints.list_checkpoints(out)
+    with pytest.raises(ti.TrainingInputError, match="holds an interrupted run .*no checkpoint"):
+        ti.check_output_dir(parse_args([*flags, "--seed", "4"]))  # another command: still that run's folder
+    same = parse_args(flags)
+    assert ti.check_output_dir(same).state == "interrupted"
+    with hold_output_dir(same):
+        assert sorted(p.name for p in out.iterdir()) == [".output_dir.lock"]  # ready to start over
 
 
 def test_a_second_train_into_a_folder_in_use_is_refused_naming_the_process(tmp_path):

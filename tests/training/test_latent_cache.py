@@ -323,3 +323,25 @@ def test_where_the_cache_lives_and_how_to_turn_it_off(tmp_path, monkeypatch):
     config = parse_args([*out, "--no-latent_cache", "--latent_cache_dir", str(tmp_path / "c")])
     assert (config.latent_cache, config.latent_cache_dir) == (False, str(tmp_path / "c"))
     assert config.to_args()[-2:] == ["--no-latent_cache", f"--latent_cache_dir={tmp_path / 'c'}"]
+
+
+def test_a_link_planted_in_a_shared_cache_is_replaced_never_written_through(tmp_path):
+    """A cache shared by the machine's users: a link at an entry's or a digest memo's name is replaced."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    key = "cd" * 32
+    path = latents.entry_path(tmp_path / "cache", key)
+    path.parent.mkdir(parents=True)
+    path.symlink_to(victim)
+    mean = torch.zeros(4, 4, 8, 8)
+    latents.write_entry(path, key, mean, mean.clone(), 0.5)
+    assert not path.is_symlink() and torch.equal(latents.read_entry(path, key, 4)[0], mean)
+    big = tmp_path / "vae.bin"
+    big.write_bytes(b"w" * latents._MEMO_MIN_BYTES)
+    memos = tmp_path / "cache" / "files"
+    digest = latents.file_digest(big, memos)
+    memo = next(memos.iterdir())
+    memo.unlink()
+    memo.symlink_to(victim)
+    assert latents.file_digest(big, memos) == digest and not memo.is_symlink()
+    assert victim.read_text() == "precious"

@@ -5,6 +5,7 @@ own layers, the gradient still reaching the placeholder, and the engine's choice
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from helpers.core import cpu
 from helpers.core.errors import InputError
 from helpers.training import models
 from helpers.training import textual_inversion as ti
-from helpers.training.engine import prepack
+from helpers.training.engine import limits, prepack
 
 pytestmark = pytest.mark.skipif(prepack.unavailable() is not None, reason=str(prepack.unavailable()))
 
@@ -118,6 +119,10 @@ def test_a_convolution_frees_its_dense_weight_once_the_forward_copy_exists_and_s
     assert torch.equal(net[1].weight, saved["1.weight"])
 
 
+@pytest.mark.skipif(
+    not cpu.can_lay_out_bf16_weights(),
+    reason="oneDNN cannot lay out bf16 weights on this CPU (pack_unet skips it)",
+)
 def test_under_bf16_autocast_it_takes_fp32_inputs_and_returns_fp32_gradients():
     """Group norm's output is fp32 under autocast; PyTorch's convolution casts it, and so must this."""
     torch.manual_seed(0)
@@ -214,6 +219,28 @@ def test_pack_unet_packs_what_fits_convolutions_first(monkeypatch):
         prepack.pack_unet(net, available_bytes=available(linears) + 2, convs=False, linears=True).linears == 1
     )
     assert [("forward" in m.__dict__) for m in net] == [False, True]
+
+
+def test_bf16_weights_are_not_packed_where_onednn_cannot_lay_them_out(monkeypatch):
+    """An AVX2-only CPU: oneDNN refuses to reorder bf16 weights (its step would crash), so a bf16
+    UNet runs unpacked with the reason said, and an explicit flag is one line."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Linear(8, 8))
+    net = net.requires_grad_(False).to(torch.bfloat16)
+    assert cpu.can_lay_out_bf16_weights(frozenset({"avx2", "avx512bw", "avx512vl", "avx512dq"}))
+    assert cpu.can_lay_out_bf16_weights(frozenset({"avx2", "avx_ne_convert"}))
+    assert not cpu.can_lay_out_bf16_weights(frozenset({"avx2", "fma", "avx512f"}))
+    monkeypatch.setattr(cpu, "can_lay_out_bf16_weights", lambda: False)
+    result = prepack.pack_unet(net, available_bytes=2**40, linears=True)
+    assert (result.convolutions, result.linears, result.bytes) == (0, 0, 0)
+    assert result.reason == (
+        "bf16 weights not prepacked: this CPU cannot lay them out for oneDNN (no AVX512-BW/VL/DQ, no AVX-NE-CONVERT)"
+    )
+    assert [("forward" in m.__dict__) for m in net] == [False, False]
+    with pytest.raises(
+        InputError, match=r"^--prepack_convs: bf16 weights not prepacked: .*pass --no-prepack_convs"
+    ):
+        prepack.pack_unet(net, available_bytes=2**40, required=("convs",))
+    assert prepack.pack_unet(net.float(), available_bytes=2**40).convolutions == 1  # fp32: packed as before
 
 
 def test_where_a_kinds_copies_do_not_all_fit_its_layers_are_packed_as_far_as_they_go(monkeypatch):
@@ -464,6 +491,8 @@ def test_prepack_flags_default_to_where_it_fits_and_an_explicit_one_refuses_shor
         return real()._replace(available=1024)  # 1 KiB free: no copy fits
 
     monkeypatch.setattr(psutil, "virtual_memory", short)
+    # the resolution check before the models load reads the machine's real memory: only the copies are short
+    monkeypatch.setattr(limits, "psutil", types.SimpleNamespace(virtual_memory=real))
     skipped = ti.train(tiny_config(tmp_path, "auto", max_train_steps=1))
     packed = skipped.summary["startup"]["prepacked_convs"]
     assert (packed["convolutions"], packed["linears"]) == (0, 0) and "--no-prepack_convs" in packed["reason"]

@@ -16,6 +16,7 @@ from helpers.core import cpu
 from helpers.training import data, models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import TrainConfig
+from helpers.training.engine import events
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +192,39 @@ def two_vector_run(tmp_path_factory):
         validation_steps=3,
         num_validation_images=2,
     )
-    return cfg, ti.train(cfg)
+    seen = []
+    with events.listening(seen.append):
+        result = ti.train(cfg)
+    return cfg, result, seen
+
+
+def test_listeners_are_told_each_step_and_each_save(two_vector_run):
+    """The run's events: the weights loaded once before the first step; each step's record equal to
+    its row of history.json, with images/s; a save record after each periodic save, at its step."""
+    cfg, result, seen = two_vector_run
+    assert (
+        isinstance(seen[0], events.WeightsLoaded)
+        and sum(isinstance(e, events.WeightsLoaded) for e in seen) == 1
+    )
+    steps = [e for e in seen if isinstance(e, events.StepEnded)]
+    assert [e.history_record() for e in steps] == result.history
+    assert all(e.max_steps == 6 and e.images_per_second == pytest.approx(1 / e.seconds) for e in steps)
+    out = result.output_dir
+    saves = [(e.step, e.what, e.path) for e in seen if isinstance(e, events.Saved)]
+    assert [s for s in saves if s[1] != "samples"] == [
+        (2, "checkpoint", out / "checkpoints" / "checkpoint-2"),
+        (3, "weights", out / "learned_embeds-steps-3.safetensors"),
+        (4, "checkpoint", out / "checkpoints" / "checkpoint-4"),
+        (6, "checkpoint", out / "checkpoints" / "checkpoint-6"),
+        (6, "weights", out / "learned_embeds-steps-6.safetensors"),
+        (6, "outputs", out),
+    ]
+    after_step = {e.step: i for i, e in enumerate(seen) if isinstance(e, events.StepEnded)}
+    assert all(seen.index(e) > after_step[e.step] for e in seen if isinstance(e, events.Saved))
 
 
 def test_run_outputs(two_vector_run):
-    cfg, result = two_vector_run
+    cfg, result, _ = two_vector_run
     out = result.output_dir
     assert result.placeholder_tokens == ["<dicoo>", "<dicoo>_1"]
     assert [h["step"] for h in result.history] == [1, 2, 3, 4, 5, 6]
@@ -222,7 +251,7 @@ def test_run_outputs(two_vector_run):
 def test_learned_embeds_load_in_stock_diffusers(two_vector_run):
     from diffusers import StableDiffusionPipeline
 
-    cfg, result = two_vector_run
+    cfg, result, _ = two_vector_run
     saved = load_file(result.learned_embeds_path)
     assert list(saved) == ["<dicoo>"] and saved["<dicoo>"].shape == (2, 32)
     pipe = StableDiffusionPipeline.from_pretrained(models.resolve_model("tiny"))
@@ -236,7 +265,7 @@ def test_learned_embeds_load_in_stock_diffusers(two_vector_run):
 def test_full_pipeline_differs_from_base_only_in_new_rows(two_vector_run):
     from diffusers import StableDiffusionPipeline
 
-    cfg, result = two_vector_run
+    cfg, result, _ = two_vector_run
     tuned = StableDiffusionPipeline.from_pretrained(result.output_dir)  # as the guides load it
     base = models.load_components("tiny")
     new_w = tuned.text_encoder.get_input_embeddings().weight
@@ -256,7 +285,7 @@ def test_full_pipeline_differs_from_base_only_in_new_rows(two_vector_run):
 def test_full_pipeline_copies_the_base_unet_and_vae_while_training(two_vector_run, tmp_path, monkeypatch):
     """The UNet and VAE files are the base model's, byte for byte, and their copy is under way
     before the first step (so the disk writes overlap training); nothing of it is left behind."""
-    cfg, result = two_vector_run
+    cfg, result, _ = two_vector_run
     base = models.resolve_model("tiny")
     for part in ("unet", "vae"):
         for name in ("config.json", "diffusion_pytorch_model.safetensors"):
@@ -347,7 +376,7 @@ def test_one_process_can_train_in_bf16_then_fp32():
 
 
 def test_resume_equals_uninterrupted(two_vector_run, tmp_path):
-    cfg, result = two_vector_run
+    cfg, result, _ = two_vector_run
     # A run killed after step 4 restarts from its checkpoint in a fresh process state.
     resumed_cfg = TrainConfig(
         **{
@@ -367,7 +396,7 @@ def test_resume_equals_uninterrupted(two_vector_run, tmp_path):
 
 
 def test_finished_run_is_not_overwritten(two_vector_run):
-    cfg, result = two_vector_run
+    cfg, result, _ = two_vector_run
     before = result.learned_embeds_path.read_bytes()
     with pytest.raises(ti.TrainingInputError, match="already holds a finished run"):
         ti.train(cfg)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ast
+import base64
+import io
 import json
 import re
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from helpers.workshop import notebooks
 
@@ -66,12 +69,26 @@ def test_notebook_runs_on_tiny_profile_and_records(path: Path, notebook_records,
     assert records and named <= set(records), f"named but not recorded: {sorted(named - set(records))}"
 
 
+def live_curve(executed: Path) -> list[str]:
+    """The text of each picture in the cell that trained under ``plots.live_loss`` (one, if it was
+    replaced in place while training), after checking each is a PNG."""
+    cell = next(
+        c for c in json.loads(executed.read_text())["cells"] if "plots.live_loss(" in "".join(c["source"])
+    )
+    shown = [o["data"] for o in cell["outputs"] if "image/png" in o.get("data", {})]
+    assert all(Image.open(io.BytesIO(base64.b64decode(d["image/png"]))).format == "PNG" for d in shown)
+    return ["".join(d["text/plain"]) for d in shown]  # nbformat may keep text as a list of lines
+
+
 @pytest.mark.notebooks
 def test_notebook_02_records(notebook_records, notebook_run_dir):
     from safetensors.torch import load_file
 
     r = notebook_records("02_single_node_finetune")
     assert r["history_steps"] == 200 and r["final_loss"] > 0 and r["steps_per_second"] > 0
+    # the loss drawn while it trained: one picture, replaced in place, the last one at the last step
+    [curve] = live_curve(notebook_run_dir / "02_single_node_finetune.ipynb")
+    assert re.fullmatch(r"loss after step 200 of 200: \d\.\d{4}", curve), curve
     assert r["precision"] in ("no", "bf16")
     embeds = load_file(r["learned_embeds_path"])
     assert list(embeds) == ["<pip>"] and embeds["<pip>"].shape == (1, 32)
@@ -100,6 +117,8 @@ def test_notebook_06_records(notebook_records, notebook_run_dir):
     from safetensors.torch import load_file
 
     r = notebook_records("06_dreambooth_lora")
+    [curve] = live_curve(notebook_run_dir / "06_dreambooth_lora.ipynb")
+    assert re.fullmatch(r"loss after step 500 of 500: \d\.\d{4}", curve), curve
     assert r["concept_score_before"] <= 0.2  # "sks" means nothing to the base model
     assert r["concept_score_after"] >= 0.6  # after training it draws Pip
     assert r["class_share_before"] >= 0.75 and r["class_share_after"] >= 0.75  # "a toy" is still not Pip

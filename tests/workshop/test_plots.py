@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")  # headless, before pyplot is imported anywhere
@@ -11,6 +14,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from helpers.training.engine import events  # noqa: E402
 from helpers.workshop import plots  # noqa: E402
 
 
@@ -154,3 +158,22 @@ def test_save_figure_failure_keeps_old_file_and_leaves_no_temp(tmp_path, monkeyp
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
     with pytest.raises(ValueError, match="suffix"):
         plots.save_figure(fig, tmp_path / "noext")
+
+
+def test_live_loss_draws_the_first_step_the_last_and_at_most_every_few_seconds_between(capsys):
+    """Outside a notebook each drawing is its text line (in a kernel the one picture is replaced in
+    place; tests/workshop/test_notebooks.py checks the executed notebooks)."""
+    losses = [0.5, 0.4, 0.45, 0.3, 0.25]
+    with plots.live_loss(smooth=2, every_seconds=3600) as live:
+        events.publish(events.Saved(1, "checkpoint", Path("x")))  # not a step: ignored
+        for step, loss in enumerate(losses, 1):
+            events.publish(events.StepEnded(step, len(losses), loss, lr=1e-3, seconds=0.1))
+    events.publish(events.StepEnded(6, 6, 0.1, lr=1e-3, seconds=0.1))  # after the block: not heard
+    assert capsys.readouterr().out.splitlines() == [
+        "loss after step 1 of 5: 0.5000",
+        "loss after step 5 of 5: 0.2500",
+    ]
+    assert [row["loss"] for row in live.history] == losses
+    picture = plots._Picture(plots.loss_curve(live.history, 2), "text")
+    png = Image.open(io.BytesIO(picture._repr_png_()))
+    assert png.format == "PNG" and png.size == (700, 380)  # loss_curve's 7 x 3.8 in at 100 dpi

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,12 +14,12 @@ from helpers.cluster.azure.azcli import AzCommandError
 from helpers.cluster.azure.cost import estimate_cost
 from helpers.cluster.azure.provision import apply, format_plan, plan, teardown, teardown_plan, to_script
 from helpers.cluster.azure.spec import load_spec
-from helpers.core.errors import run_cli
+from helpers.core.errors import ArgumentParser, run_cli
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command line of ``python -m helpers.azure``."""
-    parser = argparse.ArgumentParser(prog="python -m helpers.azure", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m helpers.azure", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["plan", "apply", "teardown", "ssh-config"])
     parser.add_argument("--config", required=True, help="cluster YAML (see notebooks/cluster.example.yaml)")
     parser.add_argument(
@@ -32,9 +33,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(args: argparse.Namespace) -> int:
     """Run one action; without ``--execute`` nothing in Azure changes."""
-    spec = load_spec(args.config)
+    with warnings.catch_warnings(record=True) as caught:  # shown once the inputs are known to be good
+        warnings.simplefilter("always")
+        spec = load_spec(args.config)
+    estimate = estimate_cost(spec, args.hours, args.vm_price_per_hour) if args.action == "plan" else None
+    for warning in caught:  # one line each, not Python's two (file, line and the source line)
+        print(f"warning: {warning.message}", file=sys.stderr)
     if args.action == "plan":
-        print(format_plan(plan(spec)), "", estimate_cost(spec, args.hours, args.vm_price_per_hour), sep="\n")
+        print(format_plan(plan(spec)), "", estimate, sep="\n")
     elif args.action == "apply" and not args.execute:
         print(apply(plan(spec)), end="")
     elif args.action == "apply":

@@ -16,13 +16,23 @@ class CostEstimate:
     per_hour: float
     hours: float
     items: tuple[tuple[str, float], ...]
+    location: str = azure_data.PRICES_REGION  # where the cluster will run (the prices are East US's)
 
     @property
     def total(self) -> float:
         return round(self.per_hour * self.hours, 2)
 
     def __str__(self) -> str:
-        lines = [f"ESTIMATE, not a quote: ${self.per_hour:.3f}/hour, ${self.total:.2f} for {self.hours:g} h"]
+        region = f"{azure_data.PRICES_REGION_NAME} ({azure_data.PRICES_REGION})"
+        lines = [
+            f"ESTIMATE, not a quote: ${self.per_hour:.3f}/hour, ${self.total:.2f} for {self.hours:g} h, "
+            f"at {region} list prices"
+        ]
+        if self.location != azure_data.PRICES_REGION:
+            lines.append(
+                f"  The cluster's location is {self.location}: its prices differ from {region}'s; "
+                "check them in the calculator below."
+            )
         lines += [f"  {name}: ${price:.3f}/h" for name, price in self.items]
         lines += [
             f"  {azure_data.NOT_ESTIMATED}.",
@@ -42,7 +52,8 @@ def estimate_cost(
         vm_price_per_hour: price of one VM, for sizes missing from the price table.
 
     Returns:
-        The estimate; ``str()`` of it is a labelled, dated breakdown.
+        The estimate; ``str()`` of it is a labelled, dated breakdown naming the region priced (East
+        US) and, if the cluster's location is another, that its prices differ.
 
     Raises:
         AzureSpecError: ``hours`` is not a positive number, ``vm_price_per_hour`` not a number of 0
@@ -68,4 +79,4 @@ def estimate_cost(
         ("NAT gateway", azure_data.NAT_GATEWAY_USD_PER_HOUR),
         ("2 public IPs (head, NAT)", 2 * azure_data.PUBLIC_IP_USD_PER_HOUR),
     )
-    return CostEstimate(round(sum(price for _, price in items), 4), hours, items)
+    return CostEstimate(round(sum(price for _, price in items), 4), hours, items, spec.location)

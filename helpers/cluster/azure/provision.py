@@ -223,21 +223,16 @@ def plan(spec: ClusterSpec) -> list[AzCommand]:
             accelerated_networking="true" if row and row.accelerated_networking else None,
             tags=(f"role={'head' if head else 'worker'}", *tags), writes={custom_data: cloud_init(spec)},
         ))  # fmt: skip
-    query = (
-        "vm",
-        "list",
-        "--resource-group",
-        rg,
-        "--show-details",
-        "--query",
-        STATE_QUERY,
-        "--output",
-        "json",
-    )
-    state_file = str(Path(spec.output_dir) / "state.json")
-    steps.append(AzCommand(query, "read names, IPs and power states of the nodes into the state file", False,
-                           saves_state=state_file))  # fmt: skip
+    steps.append(_read_state(spec))
     return steps
+
+
+def _read_state(spec: ClusterSpec) -> AzCommand:
+    """The plan's last step: the nodes' names, IPs and power states into ``<output_dir>/state.json``."""
+    query = ("vm", "list", "--resource-group", spec.resource_group, "--show-details", "--query", STATE_QUERY,
+             "--output", "json")  # fmt: skip
+    return AzCommand(query, "read names, IPs and power states of the nodes into the state file", False,
+                     saves_state=str(Path(spec.output_dir) / "state.json"))  # fmt: skip
 
 
 def teardown_plan(spec: ClusterSpec) -> list[AzCommand]:

@@ -121,14 +121,29 @@ IPV4_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
 """IPv6's spelling of IPv4 addresses (``::ffff:a.b.c.d``): judged by the IPv4 range they stand for."""
 
 
-def _check_ssh_source(cidr: str, allow_wide: bool) -> None:
+def _check_location(location: str) -> None:
+    if location not in azure_data.AZURE_REGIONS:
+        raise AzureSpecError(
+            f"location={location!r}: not an Azure region known here (nearest names: "
+            f"{', '.join(azure_data.nearest_regions(location))}). Fix: one of the names `az account list-locations "
+            f"--query [].name -o tsv` prints (a region newer than {azure_data.REGIONS_CHECKED_ON} goes into "
+            f"helpers.cluster.prices.AZURE_REGIONS)"
+        )
+
+
+def _check_ssh_source(cidr: str, allow_wide: bool) -> str:
+    """Refuse a source range that is too wide; return it as written, or an IPv4-mapped one as IPv4.
+
+    ``::ffff:a.b.c.d/n`` (n >= 96) stands for the IPv4 range ``a.b.c.d/(n - 96)``, but an IPv4 client
+    never matches the IPv6 spelling in a network security rule: the rule is written in IPv4.
+    """
     world = (
         f"ssh_source_cidr={cidr!r}: this opens SSH to the whole internet. Fix: use your public IP as a /32"
     )
     if cidr.lower() in OPEN_TO_EVERYONE:
         raise AzureSpecError(world)
     if PLACEHOLDER.search(cidr):
-        return  # fine for a plan; apply refuses to execute it
+        return cidr  # fine for a plan; apply refuses to execute it
     try:
         net = ipaddress.ip_network(cidr, strict=True)
     except ValueError as err:
@@ -153,6 +168,7 @@ def _check_ssh_source(cidr: str, allow_wide: bool) -> None:
             f"/{net.max_prefixlen} (or your network's range, at most a /{widest}), or set "
             f"`allow_wide_ssh_source: true` if you mean it"
         )
+    return str(net) if net.version == 4 and ":" in cidr else cidr  # an IPv4-mapped one, in IPv4
 
 
 def _private_range(name: str, value: Any) -> ipaddress.IPv4Network:
@@ -171,7 +187,8 @@ def _validate(spec: ClusterSpec) -> None:
     for name, (valid, problem, fix) in _CHECKS.items():
         if not valid(value := getattr(spec, name)):
             raise AzureSpecError(f"{name}={value!r}: {problem}. Fix: {fix}")
-    _check_ssh_source(str(spec.ssh_source_cidr).strip(), spec.allow_wide_ssh_source)
+    _check_location(spec.location)
+    spec.ssh_source_cidr = _check_ssh_source(str(spec.ssh_source_cidr).strip(), spec.allow_wide_ssh_source)
     if azure_data.size_series(spec.vm_size) is None:
         warnings.warn(azure_data.bf16_advice(spec.vm_size), UnknownVmSizeWarning, stacklevel=4)
     vnet = _private_range("vnet_prefix", spec.vnet_prefix)

@@ -29,6 +29,7 @@ torchrun (``tests/launching``): oneCCL bootstraps through the c10d store, so no 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.machinery
@@ -39,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -254,8 +256,54 @@ def _import_ours(build_if_missing: bool) -> ModuleType:
 
 def _create(opts, backend_options=None):
     """The creator ``torch.distributed`` calls for each ``ccl`` process group (extended API)."""
+    global _started
     assert _module is not None
-    return _module.create(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id)
+    if _started:
+        return _module.create(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id)
+    _started = True
+    with _without_log_level_notice():  # the first group starts oneCCL, which reads its variables
+        return _module.create(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id)
+
+
+_started = False
+_LOG_LEVEL_NOTICE = b"|CCL_WARN| value of CCL_LOG_LEVEL changed to be error "
+
+
+@contextlib.contextmanager
+def _without_log_level_notice() -> Iterator[None]:
+    """Standard output through a pipe while oneCCL starts: every line goes on except its notice of
+    ``CCL_LOG_LEVEL=error`` itself.
+
+    :func:`environment` sets that level so that no rank prints a warning per variable; oneCCL reads
+    it while its level is still ``warn`` and so announces it, on every rank, on every run, to
+    standard output. Nothing else is held back: a thread forwards each line as it comes (the
+    creation releases the GIL), and a level set otherwise is shown as oneCCL prints it.
+    """
+    if os.environ.get("CCL_LOG_LEVEL") != "error":
+        yield
+        return
+    sys.stdout.flush()
+    read_end, write_end = os.pipe()
+    saved = os.dup(1)
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def forward() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            for line in pipe:
+                if _LOG_LEVEL_NOTICE not in line:
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=forward, name="ccl-stdout", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)  # the pipe's last writer closes: the thread reads to its end and stops
+        thread.join(timeout=5.0)
+        if not thread.is_alive():  # else a process started meanwhile holds the pipe: keep forwarding
+            os.close(saved)
 
 
 def load(build_if_missing: bool = False) -> str:
@@ -350,7 +398,8 @@ def environment(
         (
             "CCL_LOG_LEVEL",
             "error",
-            "errors only: otherwise every rank prints a CCL_WARN line per variable set here",
+            "errors only: otherwise every rank prints a CCL_WARN line per variable set here (and oneCCL's "
+            "notice of this one is held back: helpers.ranks.oneccl)",
         ),
     ]
     if nodes <= 1:

@@ -6,17 +6,15 @@ Prints one line. Exit status 0 when built (or already built), 2 when oneCCL is n
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from helpers.core.errors import ArgumentParser
 from helpers.ranks import oneccl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m helpers.ranks.oneccl", description=__doc__.split("\n")[0]
-    )
+    parser = ArgumentParser(prog="python -m helpers.ranks.oneccl", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["build"], help="build: compile the extension into the venv")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)

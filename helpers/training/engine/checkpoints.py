@@ -25,8 +25,18 @@ INTERRUPTED = (
     "interrupted (Ctrl-C): the run stopped before it finished; its last complete checkpoint is kept. "
     "Fix: resume it with the same command plus --resume_from_checkpoint latest"
 )
-"""The one line a training command prints when Ctrl-C stops it (exit code 130, as the shell's)."""
+"""The one line a training command prints when Ctrl-C stops it after a checkpoint (exit code 130, as the shell's)."""
+START_OVER = (
+    "interrupted (Ctrl-C) before the first checkpoint: there is nothing to resume, the run must start over. "
+    "Fix: run the same command again (it is accepted into this folder and starts from step 0)"
+)
+"""The line when Ctrl-C stops a run that has no checkpoint to resume."""
 INTERRUPTED_EXIT = 130
+
+
+def interrupted_line(output_dir: str | os.PathLike) -> str:
+    """What to tell a person whose run in ``output_dir`` was stopped: resume it, or start it over."""
+    return INTERRUPTED if list_checkpoints(Path(output_dir)) else START_OVER
 
 
 def checkpoint_step(path: Path) -> int:
@@ -44,11 +54,11 @@ def is_complete(path: Path) -> bool:
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
-    """The complete checkpoints of a run, oldest first."""
+    """The complete checkpoints of a run, oldest first (a link is none: the run never writes one)."""
     found = [
         p
         for p in (Path(output_dir) / CHECKPOINTS).glob("checkpoint-*")
-        if _NAME.fullmatch(p.name) and is_complete(p)
+        if _NAME.fullmatch(p.name) and not p.is_symlink() and is_complete(p)
     ]
     return sorted(found, key=checkpoint_step)
 
@@ -130,8 +140,9 @@ def save_checkpoint(
     tmp = root / f".{final.name}.tmp"
     main = accelerator.is_main_process
     if main:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a killed attempt left
+        files.discard(tmp)  # what a killed attempt left (a link planted there: the link, not its target)
         root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # new, so accelerate never writes through something planted under this known name
     accelerator.wait_for_everyone()
     with storage_errors(final, f"checkpoint {final.name}", discard=tmp if main else None):
         accelerator.save_state(str(tmp))
@@ -159,7 +170,7 @@ def prune_checkpoints(output_dir: Path, keep: Path, limit: int | None) -> list[P
     doomed = others[: max(0, len(others) + 1 - limit)]
     for old in doomed:
         aside = old.with_name(f".{old.name}.deleting")
-        shutil.rmtree(aside, ignore_errors=True)
+        files.discard(aside)  # a link planted at this known name goes, never what it points to
         os.rename(old, aside)
         shutil.rmtree(aside)
     return doomed

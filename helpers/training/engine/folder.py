@@ -11,15 +11,10 @@ folder's lock (:class:`FolderLock`) from before the models load to its end.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
 import os
 import re
-import shlex
 import shutil
-import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +27,7 @@ from helpers.core.outputs import (
     HISTORY,
     HISTORY_PARTIAL,
     LEARNED_EMBEDS,
+    LEARNED_EMBEDS_2,
     LOGS,
     MODEL_INDEX,
     PIPELINE_DIR,
@@ -42,6 +38,12 @@ from helpers.core.outputs import (
 )
 from helpers.training.engine import TrainingInputError
 from helpers.training.engine.checkpoints import list_checkpoints
+
+# The lock lives in its own module; its names stay importable from here, where the trainers take them.
+from helpers.training.engine.lock import LOCK_FILE as LOCK_FILE
+from helpers.training.engine.lock import FolderLock as FolderLock
+from helpers.training.engine.lock import env_rank as env_rank
+from helpers.training.engine.lock import is_main_process as is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +88,17 @@ class RunLayout:
 TEXTUAL_INVERSION = RunLayout(
     config_file=TRAIN_CONFIG,
     weights_file=LEARNED_EMBEDS,
-    files=(TRAIN_CONFIG, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, SUMMARY),
+    files=(TRAIN_CONFIG, HISTORY, HISTORY_PARTIAL, LEARNED_EMBEDS, LEARNED_EMBEDS_2, SUMMARY),
     dirs=(CHECKPOINTS, SAMPLES, LOGS, PIPELINE_DIR),  # PIPELINE_DIR: where earlier versions put the pipeline
     identity=IDENTITY,
     pipeline_in_folder=True,
-    step_files=re.compile(r"learned_embeds-steps-\d+\.safetensors"),
+    step_files=re.compile(r"learned_embeds(_2)?-steps-\d+\.safetensors"),  # _2: SDXL's second encoder
 )
 """The textual-inversion engine's output folder (:mod:`helpers.core.outputs`)."""
 
 # Hidden temporaries are named after what they were becoming: ".<stem>.<pid>-<hex>.tmp<suffix>"
 # (helpers.core.files), ".checkpoint-N.tmp", ".<name>.<pid>-<hex>.old" (a folder swapped out).
-_HIDDEN_STEM = re.compile(r"\.(learned_embeds-steps-\d+|[A-Za-z_]+)\.")
+_HIDDEN_STEM = re.compile(r"\.(learned_embeds(?:_2)?-steps-\d+|[A-Za-z_0-9]+)\.")
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ def _is_leftover_name(name: str, layout: RunLayout) -> bool:
         return False
     stem = match.group(1)
     return stem in layout.stems() or (
-        layout.step_files is not None and stem.startswith("learned_embeds-steps-")
+        layout.step_files is not None and layout.step_files.fullmatch(f"{stem}.safetensors") is not None
     )
 
 
@@ -206,7 +208,7 @@ def inspect_output_dir(output_dir: str | os.PathLike, layout: RunLayout = TEXTUA
     ]
     leftovers = [path / n for n in sorted(names) if _is_leftover_name(n, layout)]
     for sub in (CHECKPOINTS, SAMPLES):
-        if (path / sub).is_dir():
+        if (path / sub).is_dir() and not (path / sub).is_symlink():
             leftovers += sorted(p for p in (path / sub).iterdir() if p.name.startswith("."))
     foreign = MODEL_INDEX in names and not has_run
     if has_run:
@@ -244,8 +246,10 @@ def check_output_dir(config, layout: RunLayout = TEXTUAL_INVERSION) -> OutputFol
         raise TrainingInputError(
             f"output_dir {path}: {nearest} is not writable. Fix: choose a folder you can write to."
         )
+    check_logging_dir(config)
     if is_main_process():  # the other ranks of a job share the lock their main process takes
         FolderLock(path).refuse_if_held()
+    refuse_links(path, layout)
     folder = inspect_output_dir(path, layout)
     resuming = bool(config.resume_from_checkpoint)
     if folder.foreign:
@@ -258,7 +262,9 @@ def check_output_dir(config, layout: RunLayout = TEXTUAL_INVERSION) -> OutputFol
             f"output_dir {path} already holds a finished run ({SUMMARY}). "
             f"Fix: choose another output_dir, or pass --overwrite_output_dir to replace it."
         )
-    if folder.state == INTERRUPTED and not (config.overwrite_output_dir or resuming):
+    if folder.state == INTERRUPTED and not (
+        config.overwrite_output_dir or resuming or starts_over(folder, config)
+    ):
         resume = (
             "resume it with --resume_from_checkpoint latest, or pass "
             if folder.checkpoints
@@ -276,6 +282,90 @@ def check_output_dir(config, layout: RunLayout = TEXTUAL_INVERSION) -> OutputFol
                 f"Fix: resume with that run's settings (its {layout.config_file}), or choose another output_dir."
             )
     return folder
+
+
+def check_logging_dir(config) -> None:
+    """With ``--report_to tensorboard``: ``output_dir/logging_dir`` must be a folder this user can
+    create or write into (checked with the output folder, before anything is written).
+
+    Raises:
+        TrainingInputError: it, or a folder above it, is a file, or it cannot be written.
+    """
+    if getattr(config, "report_to", "none") == "none" or not getattr(config, "logging_dir", None):
+        return
+    path = Path(config.output_dir) / config.logging_dir
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == path else f"lies under {blocker}, which is a file"
+        raise TrainingInputError(
+            f"logging_dir {path} {where}: TensorBoard writes a folder there. Fix: pass another --logging_dir "
+            f"(a folder name, relative to output_dir), or --report_to none."
+        )
+    nearest = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise TrainingInputError(
+            f"logging_dir {path}: {nearest} is not writable. Fix: pass a --logging_dir you can write to "
+            f"(relative to output_dir), or --report_to none."
+        )
+
+
+def _links_in(path: Path, layout: RunLayout) -> Iterator[Path]:
+    """The symbolic links at the names a run writes in ``path`` and anywhere inside its folders."""
+    names = [*layout.files, *layout.dirs]
+    if layout.pipeline_in_folder:
+        names += [*PIPELINE_PARTS, MODEL_INDEX]
+    for name in names:
+        entry = path / name
+        if entry.is_symlink():
+            yield entry
+        elif name in layout.dirs and entry.is_dir():
+            for root, dirs, found in os.walk(entry):  # os.walk never descends into a link
+                yield from (Path(root) / n for n in (*dirs, *found) if os.path.islink(os.path.join(root, n)))
+
+
+def refuse_links(output_dir: str | os.PathLike, layout: RunLayout = TEXTUAL_INVERSION) -> None:
+    """Refuse a symbolic link where the run writes (its files and folders, what is inside them).
+
+    A run never writes through a link: in a shared folder anyone could plant one at a name the run
+    writes and have it overwrite, or fill, a file or folder elsewhere. ``output_dir`` itself may be
+    a link (e.g. to a larger disk). Reads only the file system.
+
+    Raises:
+        TrainingInputError: naming the first link, where it points and the fix.
+    """
+    path = Path(output_dir)
+    if not path.is_dir():
+        return
+    link = next(_links_in(path, layout), None)
+    if link is not None:
+        raise TrainingInputError(
+            f"output_dir {path}: {link.relative_to(path)} is a symbolic link (to {os.readlink(link)}); a run "
+            f"writes its own files and never through a link. Fix: remove the link (rm {link}), or choose "
+            f"another output_dir (output_dir itself may be a link)."
+        )
+
+
+_NOT_THE_RUN = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint")  # how, not what, it runs
+
+
+def starts_over(folder: OutputFolder, config) -> bool:
+    """Whether a fresh run of ``config`` restarts ``folder``'s interrupted run: one that saved no
+    checkpoint (nothing to resume) with the same settings (the same command run again).
+
+    Such a run was stopped (Ctrl-C, TERM, a kill) before its first checkpoint; running the command
+    again is the only way on, so it is accepted and the old run's files are removed under the lock
+    (:func:`hold_output_dir`). Another command is still refused: that folder is someone's run.
+    """
+    if folder.state != INTERRUPTED or folder.checkpoints or config.resume_from_checkpoint:
+        return False
+    to_dict = getattr(config, "to_dict", None)
+    if to_dict is None or not folder.settings:
+        return False
+    ours = yaml.safe_load(yaml.safe_dump(to_dict(), sort_keys=False))  # as its YAML reads back
+    theirs = folder.settings
+    return {k: v for k, v in ours.items() if k not in _NOT_THE_RUN} == {
+        k: v for k, v in theirs.items() if k not in _NOT_THE_RUN
+    }
 
 
 def check_checkpoint_matches(ckpt: Path, config, layout: RunLayout = TEXTUAL_INVERSION) -> None:
@@ -329,128 +419,7 @@ def clear_leftovers(output_dir: str | os.PathLike, layout: RunLayout = TEXTUAL_I
     return removed
 
 
-# --- one run per folder --------------------------------------------------------------------------
-
-LOCK_FILE = ".output_dir.lock"
-"""The file in ``output_dir`` whose ``flock`` the running run holds (removed when it ends)."""
-
-_HELD: dict[Path, FolderLock] = {}  # the folders this process holds: its own checks must not refuse them
-
-
-def env_rank() -> int | None:
-    """This process's global rank as the launchers set it (torchrun, Hydra/PMI, Open MPI), before
-    any process group exists; None outside a launcher."""
-    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
-def is_main_process() -> bool:
-    """Whether this process is its job's main process (rank 0, or not launched as a rank)."""
-    return env_rank() in (None, 0)
-
-
-class FolderLock:
-    """One run at a time in an output folder: an exclusive ``fcntl.flock`` on ``output_dir/.output_dir.lock``.
-
-    The kernel frees a flock when its process ends, however it ends (SIGKILL included), so the
-    file a killed run leaves is free and the next run takes it over. The file holds the holder's
-    pid, host and command, for the line a second run gets. Only a job's main process takes it:
-    the ranks of one job share ``output_dir``. A flock keeps apart the runs of one host only
-    (not two hosts writing one network folder).
-
-    Args:
-        output_dir: the run's folder (created by :meth:`acquire` if missing).
-    """
-
-    def __init__(self, output_dir: str | os.PathLike):
-        self.folder = Path(output_dir)
-        self.path = self.folder / LOCK_FILE
-        self.taken_over: str | None = None  # the holder a killed run left in the file, if any
-        self._fd: int | None = None
-
-    def holder(self) -> str | None:
-        """Who holds the lock now (``pid N on host H: command``), or None if no other run does."""
-        if self.path.absolute() in _HELD:
-            return None
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:  # no lock file (or not readable: then no run of this user holds it)
-            return None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return _describe(_read_all(fd))
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        finally:
-            os.close(fd)
-
-    def refuse_if_held(self) -> None:
-        """Raise :class:`TrainingInputError` naming the run that holds the lock, if one does."""
-        held = self.holder()
-        if held is not None:
-            raise self._in_use(held)
-
-    def _in_use(self, held: str) -> TrainingInputError:
-        return TrainingInputError(
-            f"output_dir {self.folder} is in use by another run ({held}). "
-            f"Fix: wait for that run to end (or stop it), or choose another output_dir."
-        )
-
-    def acquire(self) -> FolderLock:
-        """Take the lock (creating the folder), or raise :class:`TrainingInputError` naming its holder."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):  # a holder ending between our open and flock removes the file: open it again
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                held = _describe(_read_all(fd))
-                os.close(fd)
-                raise self._in_use(held) from None
-            if _same_file(fd, self.path):
-                break
-            os.close(fd)
-        else:
-            raise TrainingInputError(f"output_dir {self.folder}: {LOCK_FILE} keeps changing. Fix: try again.")
-        previous = _read_all(fd)
-        self.taken_over = _describe(previous) if previous.strip() else None
-        me = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "command": " ".join(shlex.join(sys.orig_argv).split())[:300],
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        self._fd = fd
-        _HELD[self.path.absolute()] = self
-        if self.taken_over:
-            logger.warning(
-                "output_dir %s: took over the lock of a run that ended (%s)", self.folder, self.taken_over
-            )
-        return self
-
-    def release(self) -> None:
-        """Remove the lock file and free the lock (the file first, so nobody locks a removed file)."""
-        if self._fd is None:
-            return
-        try:
-            if _same_file(self._fd, self.path):
-                self.path.unlink()
-        except OSError:
-            pass  # the folder went away: nothing to clean
-        os.close(self._fd)
-        self._fd = None
-        _HELD.pop(self.path.absolute(), None)
-
-    def __enter__(self) -> FolderLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+# --- one run per folder: the lock (helpers.training.engine.lock), held around the run ------------
 
 
 @contextlib.contextmanager
@@ -458,31 +427,18 @@ def hold_output_dir(config, layout: RunLayout = TEXTUAL_INVERSION) -> Iterator[F
     """Hold ``config.output_dir``'s lock on the main process for the ``with`` block (None elsewhere).
 
     The folder is checked again once the lock is held (:func:`check_output_dir`): another run may
-    have finished in it between the first check and this one.
+    have finished in it between the first check and this one. A run of the same command stopped
+    before its first checkpoint is removed here (:func:`starts_over`), under the lock.
     """
     if not is_main_process():
         yield None
         return
     with FolderLock(config.output_dir) as lock:
-        check_output_dir(config, layout)
+        folder = check_output_dir(config, layout)
+        if starts_over(folder, config) and not config.overwrite_output_dir:
+            clear_run(folder.path, layout)
+            logger.warning(
+                "output_dir %s: the same command was stopped here before its first checkpoint; starting over",
+                folder.path,
+            )
         yield lock
-
-
-def _read_all(fd: int) -> str:
-    return os.pread(fd, 4096, 0).decode("utf-8", "replace")
-
-
-def _describe(text: str) -> str:
-    try:
-        info = json.loads(text)
-        return f"pid {info['pid']} on host {info['host']}: {info['command']}"
-    except (ValueError, KeyError, TypeError):
-        return "a process that left no details"
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        mine, theirs = os.fstat(fd), os.stat(path)
-    except OSError:
-        return False
-    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)

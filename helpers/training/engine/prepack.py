@@ -52,6 +52,7 @@ tensors, whose storage PyTorch cannot save (``torch.save`` raises).
 from __future__ import annotations
 
 import copy
+import functools
 import types
 import weakref
 from collections.abc import Collection, Iterator
@@ -216,7 +217,19 @@ def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Si
     )
 
 
+@functools.cache
+def _bf16_layouts() -> bool:
+    return cpu.can_lay_out_bf16_weights()
+
+
+def _plain_here(module: torch.nn.Module) -> bool:
+    """bf16 on a CPU where oneDNN cannot lay out bf16 weights: PyTorch's own (emulated) path, no copies."""
+    return _compute_dtype(module) == torch.bfloat16 and not _bf16_layouts()
+
+
 def _packed_call(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    if _plain_here(conv):
+        return type(conv).forward(conv, x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _PackedConvFn.apply(x, conv)
     return _forward(conv, x)
@@ -247,7 +260,7 @@ def _linear_input_grad_copy(dense: torch.Tensor, dtype: torch.dtype, rows: torch
     return _lay_out_linear(dense.to(dtype).t().contiguous(), rows)
 
 
-def _compute_dtype(linear: torch.nn.Linear) -> torch.dtype:
+def _compute_dtype(linear: torch.nn.Module) -> torch.dtype:
     """What PyTorch's linear computes in here: autocast's dtype where it is on (an fp32 text encoder
     under bf16 autocast computes in bf16), else the weight's."""
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else linear.weight.dtype
@@ -280,6 +293,8 @@ def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor, dtype: torch
 
 
 def _packed_linear_call(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _plain_here(linear):
+        return type(linear).forward(linear, x)
     dtype = _compute_dtype(linear)
     if torch.is_grad_enabled() and x.requires_grad:
         return _PackedLinearFn.apply(x, linear, dtype)
@@ -461,6 +476,12 @@ def pack_unet(
     if convs:
         layers = [(m, _conv_bytes(m)) for m in unet.modules() if packable(m)]
         kinds.append(("convolution", "convs", layers, lambda m: pack_conv(m, backward=backward)))
+    if next(unet.parameters()).dtype == torch.bfloat16 and not cpu.can_lay_out_bf16_weights():
+        why = "bf16 weights not prepacked: this CPU cannot lay them out for oneDNN (no AVX512-BW/VL/DQ, no AVX-NE-CONVERT)"
+        if required:
+            flag = sorted(required)[0]
+            raise InputError(f"--prepack_{flag}: {why}; pass --no-prepack_{flag} or train in fp32")
+        return PackResult(0, 0, why)
     if linears:
         dtype = next(unet.parameters()).dtype
         models = [unet] if text_encoder is None else [unet, text_encoder]

@@ -113,47 +113,73 @@ def write_json(path: str | os.PathLike, value: Any) -> Path:
     return files.write_text_atomic(path, json.dumps(value, indent=2, allow_nan=False))
 
 
-def _sampling_pipeline(run: Run):
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, StableDiffusionPipeline
+def encoder_parts(run) -> dict:
+    """The run's tokenizers and text encoders under their pipeline names (``tokenizer``,
+    ``text_encoder``, SDXL's ``tokenizer_2`` and ``text_encoder_2``), and its family's pipeline
+    extras (SD v1's: no safety checker)."""
+    family = run.family
+    parts = {name: getattr(run, name) for name in (*family.tokenizers, *family.text_encoders)}
+    return {**parts, **dict(family.pipeline_extras)}
 
-    return StableDiffusionPipeline(
+
+def _sampling_pipeline(run: Run):
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler
+
+    return run.family.diffusers_class()(
         vae=AutoencoderKL.from_pretrained(run.model_dir, subfolder="vae"),
-        text_encoder=run.text_encoder,
-        tokenizer=run.tokenizer,
         unet=run.unet,
         scheduler=DPMSolverMultistepScheduler.from_pretrained(run.model_dir, subfolder="scheduler"),
-        safety_checker=None,
         feature_extractor=None,
-        requires_safety_checker=False,
+        **encoder_parts(run),
     )
 
 
 @torch.no_grad()
 def save_samples(run: Run, dest: Path) -> list[Path]:
     """Generate validation images with the current embedding into ``dest`` (main process only)."""
-    config, unet, text_encoder = run.config, run.unet, run.text_encoder
-    write_rows(text_encoder, run.token_ids, run.vectors)
-    learned = run.hook.learned
-    run.hook.learned = lambda ids, out: out  # the rows are in the matrix now
-    was_training = (unet.training, text_encoder.training)
-    unet.eval()
-    text_encoder.eval()
+    hooks = []
+    for _, encoder, token_ids, hook, vectors in run.encoders:
+        write_rows(encoder, token_ids, vectors)
+        hooks.append((hook, hook.learned))
+        hook.learned = lambda ids, out: out  # the rows are in the matrix now
+    try:
+        return draw_samples(run, dest)
+    finally:
+        for hook, learned in hooks:
+            hook.learned = learned
+
+
+@torch.no_grad()
+def draw_samples(run, dest: Path, size: int | None = None) -> list[Path]:
+    """``num_validation_images`` pictures of ``validation_prompt`` (seeded by ``seed``) with the run's
+    models as they are now, into ``dest`` (replaced whole); for both methods.
+
+    Args:
+        run: a run with ``config``, ``model_dir``, ``unet``, ``text_encoder``, ``tokenizer``, ``accelerator``.
+        dest: the folder the pictures go to.
+        size: their height and width (None: the model's default).
+    """
+    config, unet = run.config, run.unet
+    modules = [unet, *(m for m in encoder_parts(run).values() if isinstance(m, torch.nn.Module))]
+    was_training = [m.training for m in modules]
+    for module in modules:
+        module.eval()
     try:
         pipe = _sampling_pipeline(run)
         pipe.set_progress_bar_config(disable=True)
         gen = torch.Generator().manual_seed(config.seed)
         prompts = [config.validation_prompt] * config.num_validation_images
         with run.accelerator.autocast():  # the UNet may hold bf16 weights
-            images = pipe(prompts, num_inference_steps=25, generator=gen, callback_on_step_end=_beat).images
+            images = pipe(prompts, num_inference_steps=25, generator=gen, height=size, width=size,
+                          callback_on_step_end=_beat).images  # fmt: skip
     finally:
-        unet.train(was_training[0])
-        text_encoder.train(was_training[1])
-        run.hook.learned = learned
+        for module, training in zip(modules, was_training, strict=True):
+            module.train(training)
     names = [f"{i:02d}.png" for i in range(len(images))]
 
     def fill(folder: Path) -> None:
         for name, image in zip(names, images, strict=True):
-            image.save(folder / name)
+            files.save_image_atomic(folder / name, image)
 
     files.replace_dir_atomic(dest, fill)
     return [dest / name for name in names]
@@ -241,8 +267,9 @@ def save_full_pipeline(run: Run, output_dir: Path, copied: PipelineCopy) -> Path
     """Save the complete diffusers pipeline into ``output_dir`` itself, as diffusers' script does.
 
     ``output_dir`` then holds ``model_index.json``, ``text_encoder/``, ``tokenizer/`` (both with the
-    placeholder tokens), ``unet/``, ``vae/`` and ``scheduler/`` beside ``learned_embeds.safetensors``,
-    so ``StableDiffusionPipeline.from_pretrained(output_dir)`` (and optimum-intel's export) load it.
+    placeholder tokens; SDXL: ``text_encoder_2/`` and ``tokenizer_2/`` too), ``unet/``, ``vae/`` and
+    ``scheduler/`` beside ``learned_embeds.safetensors``, so the family's pipeline class
+    (``StableDiffusion[XL]Pipeline.from_pretrained(output_dir)``) and optimum-intel's export load it.
     The UNet and VAE are the base model's, untouched: ``copied``, the :class:`PipelineCopy` started
     with the run for ``output_dir``, holds their files (or holds none, and they are saved here).
 
@@ -252,22 +279,14 @@ def save_full_pipeline(run: Run, output_dir: Path, copied: PipelineCopy) -> Path
     leaves no ``model_index.json``; the next run removes the half-moved parts
     (:func:`helpers.training.engine.folder.clear_leftovers`). Main process only.
     """
-    from diffusers import StableDiffusionPipeline
-
-    write_rows(run.text_encoder, run.token_ids, run.vectors)
+    for _, encoder, token_ids, _, vectors in run.encoders:
+        write_rows(encoder, token_ids, vectors)
     output_dir = Path(output_dir)
     done = copied.wait()
     # Training never changes the UNet: reuse it unless it was cast to bf16, then load the original
     # (the module only names its class in model_index.json when its files were copied).
     unet = {"unet": run.unet} if run.unet.dtype == torch.float32 or "unet" in done else {}
-    base = StableDiffusionPipeline.from_pretrained(
-        run.model_dir,
-        text_encoder=run.text_encoder,
-        tokenizer=run.tokenizer,
-        safety_checker=None,
-        requires_safety_checker=False,
-        **unet,
-    )
+    base = run.family.diffusers_class().from_pretrained(run.model_dir, **encoder_parts(run), **unet)
     (output_dir / MODEL_INDEX).unlink(missing_ok=True)  # not a whole pipeline until the new one is in
     tmp = copied.folder
     try:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -18,43 +18,31 @@ from helpers.core import cpu
 from helpers.ranks import backend, status
 from helpers.training import data, models
 from helpers.training.config import TrainConfig
-from helpers.training.engine import attention, latents, prepack, tracking
-from helpers.training.engine.rows import (
-    EmbeddingHook,
-    LearnedEmbeddings,
-    add_placeholder_tokens,
-    placeholder_tokens_for,
-)
+from helpers.training.engine import attention, events, latents, loop, prepack, tracking
+from helpers.training.engine.encoder_rows import add_placeholder_rows
+from helpers.training.engine.rows import EmbeddingHook, LearnedEmbeddings, placeholder_tokens_for
+from helpers.training.engine.saving import PipelineCopy
 from helpers.training.engine.step import AllreduceCounter, EpochSampler, IndexedDataset, StepParts
+from helpers.training.families import Family, ImageSizes, load_text_encoders, sd1, sdxl
 
 logger = get_logger(__name__)
 
 
-@dataclass
-class Run:
-    """A run ready to train, and what saving and sampling need of it.
+@dataclass(kw_only=True)
+class Run(loop.Run):
+    """A textual-inversion run ready to train, and what saving and sampling need of it
+    (the fields of every run: :class:`helpers.training.engine.loop.Run`).
 
     Attributes:
-        config: the settings.
-        accelerator: the processes, precision and prepared objects.
-        precision: the precision chosen for this CPU (:func:`helpers.core.cpu.choose_precision`).
-        model_dir: the local folder of the base model.
-        output_dir: where the run writes.
         tokenizer, text_encoder, unet: with the placeholder tokens added (the UNet may be bf16).
         token_ids, tokens: the new tokens' ids and names.
         hook: routes the text encoder's embedding through the learned rows while training.
         parts: what :func:`~helpers.training.engine.step.training_step` needs.
-        counter: the all-reduce byte counter (all-reduces only with several processes).
-        sampler, loader: the data order and the prepared loader.
-        steps_per_epoch, max_steps, num_epochs: the schedule.
-        startup: what start-up did (prepacked convolutions, the latent cache), recorded in ``run_summary.json``.
+        copied: the base model's files being copied for ``save_as_full_pipeline`` (main process).
+        family: the model's family (:mod:`helpers.training.families`).
+        tokenizer_2, text_encoder_2, token_ids_2, hook_2: SDXL's second encoder, as the first's.
     """
 
-    config: TrainConfig
-    accelerator: Accelerator
-    precision: cpu.PrecisionChoice
-    model_dir: Path
-    output_dir: Path
     tokenizer: Any
     text_encoder: Any
     unet: Any
@@ -62,18 +50,25 @@ class Run:
     tokens: list[str]
     hook: EmbeddingHook
     parts: StepParts
-    counter: AllreduceCounter
-    sampler: EpochSampler
-    loader: Any
-    steps_per_epoch: int
-    max_steps: int
-    num_epochs: int
-    startup: dict = field(default_factory=dict)
+    copied: PipelineCopy | None = None
+    family: Family = sd1.FAMILY
+    tokenizer_2: Any = None
+    text_encoder_2: Any = None
+    token_ids_2: list[int] = dataclasses.field(default_factory=list)
+    hook_2: EmbeddingHook | None = None
 
     @property
     def vectors(self) -> torch.nn.Parameter:
-        """The learned rows."""
+        """The learned rows (of the first text encoder)."""
         return self.parts.vectors
+
+    @property
+    def encoders(self) -> list[tuple[Any, Any, list[int], EmbeddingHook, torch.nn.Parameter]]:
+        """``(tokenizer, text_encoder, token_ids, hook, vectors)`` of every text encoder, in the family's order."""
+        firsts = [(self.tokenizer, self.text_encoder, self.token_ids, self.hook)]
+        if self.text_encoder_2 is not None:
+            firsts.append((self.tokenizer_2, self.text_encoder_2, self.token_ids_2, self.hook_2))
+        return [(*f, v) for f, v in zip(firsts, self.parts.all_vectors, strict=True)]
 
 
 def make_accelerator(
@@ -145,51 +140,67 @@ def make_lr_scheduler(config: TrainConfig, optimizer, max_steps: int, num_proces
     )
 
 
-def setup_run(config: TrainConfig, model_dir: Path, tokenizer) -> Run:
+def setup_run(
+    config: TrainConfig, model_dir: Path, tokenizer, family: Family = sd1.FAMILY, tokenizer_2=None
+) -> Run:
     """Load the modules, add the tokens, cache the latents, build optimizer, loader and schedule.
 
     Args:
         config: checked settings (:func:`helpers.training.textual_inversion.check_inputs`).
         model_dir: the base model's local folder.
         tokenizer: its tokenizer (the placeholder tokens are added to it).
+        family: the model's family; SDXL trains rows in both encoders.
+        tokenizer_2: SDXL's second tokenizer (the tokens are added to it too).
     """
-    precision, accelerator = _start_accelerator(config)
-    text_encoder, unet, noise_scheduler, token_ids = _load_modules(config, model_dir, tokenizer, precision)
-    startup = _prepack(config, unet, text_encoder)
+    precision, accelerator = start_accelerator(config)
+    tokenizers = (tokenizer,) if tokenizer_2 is None else (tokenizer, tokenizer_2)
+    encoders, unet, noise_scheduler, token_ids = _load_modules(
+        config, model_dir, tokenizers, family, precision
+    )
+    startup = _prepack(config, unet, encoders[0])
     tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
     dataset, cached, startup["latent_cache"] = _cached_dataset(
-        config, model_dir, tokenizer, tokens, precision
+        config, model_dir, tokenizers, tokens, precision
     )
-    learned = LearnedEmbeddings(text_encoder.get_input_embeddings().weight[token_ids], token_ids)
-    opt = _optimization(config, accelerator, learned, dataset)
+    learned = [
+        LearnedEmbeddings(e.get_input_embeddings().weight[ids], ids)
+        for e, ids in zip(encoders, token_ids, strict=True)
+    ]
+    learned, schedule = _optimization(config, accelerator, learned, dataset)
     counter = AllreduceCounter()
+    second = len(encoders) > 1
     parts = StepParts(
-        unet=unet,
-        text_encoder=text_encoder,
-        noise_scheduler=noise_scheduler,
-        learned=opt.learned,
-        optimizer=opt.optimizer,
-        latent_mean=cached.mean,
-        latent_std=cached.std,
-        scaling_factor=cached.scaling_factor,
-        seed=config.seed,
-        lr_scheduler=opt.lr_scheduler,
-        autocast=accelerator.autocast,
-        backward=accelerator.backward,
-        allreduce=counter if accelerator.num_processes > 1 else None,
-        mixed_precision=precision.mixed_precision,
-    )
+        unet=unet, text_encoder=encoders[0], noise_scheduler=noise_scheduler, learned=learned[0],
+        optimizer=schedule["optimizer"], latent_mean=cached.mean, latent_std=cached.std,
+        scaling_factor=cached.scaling_factor, seed=config.seed, lr_scheduler=schedule["lr_scheduler"],
+        autocast=accelerator.autocast, backward=accelerator.backward,
+        allreduce=counter if accelerator.num_processes > 1 else None, mixed_precision=precision.mixed_precision,
+        family=family, text_encoder_2=encoders[1] if second else None,
+        learned_2=learned[1] if second else None, view_sizes=_view_sizes(dataset) if second else (),
+    )  # fmt: skip
     return Run(
         config=config, accelerator=accelerator, precision=precision, model_dir=model_dir,
-        output_dir=Path(config.output_dir), tokenizer=tokenizer, text_encoder=text_encoder, unet=unet,
-        token_ids=token_ids, tokens=tokens, hook=EmbeddingHook(text_encoder, opt.learned), parts=parts,
-        counter=counter, sampler=opt.sampler, loader=opt.loader, steps_per_epoch=opt.steps_per_epoch,
-        max_steps=opt.max_steps, num_epochs=math.ceil(opt.max_steps / opt.steps_per_epoch), startup=startup,
+        output_dir=Path(config.output_dir), **schedule, counter=counter, startup=startup, tokenizer=tokenizer,
+        text_encoder=encoders[0], unet=unet, token_ids=token_ids[0], tokens=tokens,
+        hook=EmbeddingHook(encoders[0], learned[0]), parts=parts,
+        family=family, tokenizer_2=tokenizer_2, text_encoder_2=parts.text_encoder_2,
+        token_ids_2=token_ids[1] if second else [],
+        hook_2=EmbeddingHook(encoders[1], learned[1]) if second else None,
     )  # fmt: skip
 
 
-def _start_accelerator(config: TrainConfig) -> tuple[cpu.PrecisionChoice, Accelerator]:
-    """The precision for this CPU, the accelerator (every rank waiting for the others), the threads."""
+def _view_sizes(dataset: data.ConceptDataset) -> list[ImageSizes]:
+    """Each view's sizes as SDXL's UNet is told them: the picture's own size, the crop the view took."""
+    return [
+        sdxl.view_sizes(
+            dataset.original_size(v), dataset.size, dataset.center_crop, dataset.view_source(v)[1]
+        )
+        for v in range(dataset.num_views)
+    ]
+
+
+def start_accelerator(config: TrainConfig) -> tuple[cpu.PrecisionChoice, Accelerator]:
+    """The precision for this CPU, the accelerator, the threads (a ``DreamBoothConfig`` has the same fields)."""
     precision = cpu.choose_precision(config.mixed_precision)
     accelerator = make_accelerator(
         precision,
@@ -197,10 +208,6 @@ def _start_accelerator(config: TrainConfig) -> tuple[cpu.PrecisionChoice, Accele
         config.report_to,
         tracking.project_configuration(config.output_dir, config.logging_dir),
     )
-    # Every rank has read the output folder's state (check_inputs) before the main process
-    # changes it (prepare_output_dir). Starting the process group usually waits for all ranks
-    # anyway; under Ray Train the group exists before train() is called, so wait here.
-    accelerator.wait_for_everyone()
     cpu.set_threads()
     logger.info(f"precision: {precision.reason}", main_process_only=True)
     if precision.warning:
@@ -226,48 +233,47 @@ def _prepack(config: TrainConfig, unet, text_encoder) -> dict:
 
 
 def _cached_dataset(
-    config: TrainConfig, model_dir: Path, tokenizer, tokens: list[str], precision: cpu.PrecisionChoice
+    config: TrainConfig, model_dir: Path, tokenizers: tuple, tokens: list[str], precision: cpu.PrecisionChoice
 ) -> tuple[data.ConceptDataset, latents.CachedLatents, dict | None]:
     """The concept's pictures under the new tokens, their cached latents, and the cache's start-up record."""
     dataset = data.ConceptDataset(
         config.train_data_dir,
-        tokenizer,
+        tokenizers[0],
         " ".join(tokens),
         learnable_property=config.learnable_property,
         size=config.resolution,
         repeats=config.repeats,
         center_crop=config.center_crop,
         seed=config.seed,
+        tokenizer_2=tokenizers[1] if len(tokenizers) > 1 else None,
     )
     # The VAE is loaded only when latents are missing, and freed once they are encoded. bf16 runs
     # encode in bf16, as diffusers' script does (2x faster than fp32 here; docs/architecture.md).
     cache_dir = latents.cache_root(config.latent_cache, config.latent_cache_dir)
     vae_dtype = cpu.compute_dtype(precision.mixed_precision)
-    cached = latents.cached_latents(cache_dir, model_dir, dataset, dtype=vae_dtype)
+
+    def load_vae(*args) -> Any:
+        vae = models.load_frozen_vae(*args)
+        events.publish(events.WeightsLoaded())  # the last weight read: what follows is training's memory
+        return vae
+
+    cached = latents.cached_latents(cache_dir, model_dir, dataset, vae_loader=load_vae, dtype=vae_dtype)
+    if not cached.vae_loaded:
+        events.publish(events.WeightsLoaded())
     report = cached.report(cache_dir) if cache_dir else None
     status.beat("latents cached")
     return dataset, cached, report
 
 
-class _Optimization(NamedTuple):
-    """The prepared learned rows, optimizer, data order, loader and learning-rate schedule."""
-
-    learned: Any
-    optimizer: Any
-    lr_scheduler: Any
-    sampler: EpochSampler
-    loader: Any
-    steps_per_epoch: int
-    max_steps: int
-
-
-def _optimization(config: TrainConfig, accelerator: Accelerator, learned, dataset) -> _Optimization:
-    """AdamW over the learned rows, the loader, the schedule; all prepared by accelerate."""
+def _optimization(config: TrainConfig, accelerator: Accelerator, learned: list, dataset) -> tuple[list, dict]:
+    """AdamW over the learned rows (every encoder's), the loader, the schedule; all prepared by
+    accelerate. Returns the prepared rows (one module per text encoder) and
+    :class:`~helpers.training.engine.loop.Run`'s fields for the rest."""
     lr = config.learning_rate
     if config.scale_lr:
         lr *= config.gradient_accumulation_steps * config.train_batch_size * accelerator.num_processes
     optimizer = torch.optim.AdamW(
-        learned.parameters(),
+        [p for rows in learned for p in rows.parameters()],
         lr=lr,
         betas=(config.adam_beta1, config.adam_beta2),
         weight_decay=config.adam_weight_decay,
@@ -287,36 +293,41 @@ def _optimization(config: TrainConfig, accelerator: Accelerator, learned, datase
     # process group and, freed with the GIL held, joined gloo's threads while one of them waited for
     # the GIL: the exit deadlock of issue 11. evaluation_mode=True: mixed precision and checkpointing
     # as a prepared model, no DDP.
-    learned = accelerator.prepare_model(learned, evaluation_mode=True)
+    learned = [accelerator.prepare_model(rows, evaluation_mode=True) for rows in learned]
     optimizer, loader, lr_scheduler = accelerator.prepare(optimizer, loader, lr_scheduler)
-    return _Optimization(learned, optimizer, lr_scheduler, sampler, loader, steps_per_epoch, max_steps)
+    return learned, dict(optimizer=optimizer, lr_scheduler=lr_scheduler, sampler=sampler, loader=loader,
+                         steps_per_epoch=steps_per_epoch, max_steps=max_steps)  # fmt: skip
 
 
-def _load_modules(config: TrainConfig, model_dir: Path, tokenizer, precision: cpu.PrecisionChoice):
-    """Text encoder (trainable rows added), UNet, noise schedule; everything frozen. Not the VAE
-    (:mod:`helpers.training.engine.latents` loads it only when latents are missing)."""
+def _load_modules(
+    config: TrainConfig, model_dir: Path, tokenizers: tuple, family: Family, precision: cpu.PrecisionChoice
+):
+    """Text encoders (trainable rows added to each), UNet, noise schedule; everything frozen. Not the
+    VAE (:mod:`helpers.training.engine.latents` loads it only when latents are missing)."""
     # With bf16 the UNet, only ever read, is loaded in bf16, as diffusers' script casts it: no step
     # re-casts its 860 M weights (autocast would, and hold the casts for the backward). Saving the
     # full pipeline takes the UNet from the base model, untouched.
     dtype = cpu.compute_dtype(precision.mixed_precision)
     status.beat("loading")  # each phase of a start counts as progress for helpers.launch
-    parts = models.load_components(model_dir, unet_dtype=dtype, load_vae=False, tokenizer=tokenizer)
+    parts = models.load_components(model_dir, unet_dtype=dtype, load_vae=False, tokenizer=tokenizers[0])
+    # SDXL's second encoder trains in fp32 too (diffusers' SDXL script holds it in the mixed precision)
+    encoders = (parts.text_encoder, *load_text_encoders(model_dir, family, first=1))
     status.beat("loaded")
-    text_encoder, unet = parts.text_encoder, parts.unet
-    noise_scheduler = parts.noise_scheduler
+    unet, noise_scheduler = parts.unet, parts.noise_scheduler
     del parts
-    token_ids = add_placeholder_tokens(
-        tokenizer, text_encoder, config.placeholder_token, config.initializer_token, config.num_vectors
+    token_ids = add_placeholder_rows(
+        tokenizers, encoders, config.placeholder_token, config.initializer_token, config.num_vectors
     )
-    for module in (text_encoder, unet):
+    for module in (*encoders, unet):
         module.requires_grad_(False)
     if processor := attention.processor_for(dtype):
         unet.set_attn_processor(processor)
-    text_encoder.train(config.gradient_checkpointing)
-    unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode
+    for module in (*encoders, unet):  # diffusers checkpoints only in training mode
+        module.train(config.gradient_checkpointing)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-        text_encoder.gradient_checkpointing_enable()
+        for encoder in encoders:
+            encoder.gradient_checkpointing_enable()
     if config.use_ipex:
         cpu.apply_ipex(unet, dtype)
-    return text_encoder, unet, noise_scheduler, token_ids
+    return encoders, unet, noise_scheduler, token_ids

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from helpers.ranks import status
-from helpers.training import data
+from helpers.training import data, families
 from helpers.training.engine import TrainingDivergedError
+from helpers.training.families import Family, ImageSizes, sd1
 
 # --- data and latents --------------------------------------------------------------------------
 
@@ -131,16 +131,23 @@ def diffusion_loss(
     latents: torch.Tensor,
     noise: torch.Tensor,
     timesteps: torch.Tensor,
+    family: Family = sd1.FAMILY,
+    text_encoder_2=None,
+    input_ids_2: torch.Tensor | None = None,
+    sizes: Sequence[ImageSizes] = (),
 ) -> torch.Tensor:
-    """The denoising loss of one batch (latents already scaled by the VAE's scaling factor)."""
-    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-    encoder_hidden_states = text_encoder(input_ids)[0]
-    pred = unet(noisy, timesteps, encoder_hidden_states).sample
-    if noise_scheduler.config.prediction_type == "v_prediction":
-        target = noise_scheduler.get_velocity(latents, noise, timesteps)
-    else:
-        target = noise
-    return F.mse_loss(pred.float(), target.float(), reduction="mean")
+    """The denoising loss of one batch (latents already scaled by the VAE's scaling factor), as
+    ``family`` encodes prompts and calls the UNet (:func:`helpers.training.families.diffusion_loss`).
+
+    Args:
+        family: SD v1 by default; SDXL takes its second encoder, its ids and each example's sizes too.
+    """
+    encoders, ids = (text_encoder,), (input_ids,)
+    if text_encoder_2 is not None:
+        encoders, ids = (text_encoder, text_encoder_2), (input_ids, input_ids_2)
+    return families.diffusion_loss(
+        family, unet, encoders, noise_scheduler, ids, latents, noise, timesteps, sizes
+    )
 
 
 # --- the step ----------------------------------------------------------------------------------
@@ -171,6 +178,15 @@ class AllreduceCounter:
         tensor.div_(dist.get_world_size())
         dist.all_reduce(tensor)
 
+    def average(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Replace the gradients of ``params`` by their mean over the ranks: one flat buffer, one
+        all-reduce (:meth:`all_reduce_mean`); a missing gradient counts as zeros."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.all_reduce_mean(flat)
+        for p, g in zip(params, torch.split(flat, [p.numel() for p in params]), strict=True):
+            p.grad = g.view_as(p).clone()
+
     def hook(self, state, bucket):
         """A DDP communication hook: counts the bucket, then all-reduces it as DDP's default hook."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -183,9 +199,57 @@ def _plain_backward(loss: torch.Tensor) -> None:
     loss.backward()
 
 
-@dataclass
-class StepParts:
-    """Everything one optimisation step touches: the frozen modules, the rows, the optimizer, the latents.
+@dataclass(frozen=True)
+class Names:
+    """How a method names what it trains, in the messages of a run that diverged or got no gradient.
+
+    Attributes:
+        trains_well: where its learning rate trains well, in words.
+        gradient: the gradient of what is trained.
+        values: what is trained.
+        reaches: what the gradient must reach.
+    """
+
+    trains_well: str
+    gradient: str
+    values: str
+    reaches: str
+
+
+TEXTUAL_INVERSION = Names(
+    "textual inversion trains well at 1e-4 to 5e-3",
+    "the gradient of the learned rows",
+    "the learned embeddings",
+    "the placeholder embedding",
+)
+
+
+@dataclass(kw_only=True)
+class Update:
+    """What the update after a step's micro-batches touches, for every method.
+
+    Attributes:
+        optimizer: over what is trained only.
+        lr_scheduler: stepped after the optimizer, if any.
+        allreduce: averages the gradients over the processes; None in one process (or under DDP).
+        max_grad_norm: clip the gradients' norm to this (0: no clipping).
+        mixed_precision: ``"no"`` or ``"bf16"``, named when a step diverges.
+        names: what the messages call what is trained.
+        gradient_checked: whether the first step's gradient was checked to reach what is trained.
+    """
+
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any | None = None
+    allreduce: AllreduceCounter | None = None
+    max_grad_norm: float = 0.0
+    mixed_precision: str = "no"
+    names: Names = TEXTUAL_INVERSION
+    gradient_checked: bool = False
+
+
+@dataclass(kw_only=True)
+class StepParts(Update):
+    """Everything one textual-inversion step touches: the frozen modules, the rows, the latents, the update.
 
     The engine builds it from the accelerator's objects (:func:`helpers.training.engine.setup.setup_run`);
     ``bench.common`` from plain ones. The rows take part through an :class:`~helpers.training.engine.rows.EmbeddingHook`
@@ -194,51 +258,60 @@ class StepParts:
     Attributes:
         unet, text_encoder, noise_scheduler: the frozen modules and the training noise schedule.
         learned: the :class:`~helpers.training.engine.rows.LearnedEmbeddings` (or a wrapper with ``.module``).
-        optimizer: over the learned rows only.
         latent_mean, latent_std: every view's cached latent distribution (:func:`cache_latents`).
         scaling_factor: the VAE's latent scaling factor.
         seed: the run's seed, the first key of every random draw.
-        lr_scheduler: stepped after the optimizer, if any.
         autocast: the forward pass's precision context (``accelerator.autocast``).
         backward: how to back-propagate a micro-batch's loss (``accelerator.backward`` divides it
             by the accumulation steps); plain ``loss.backward()`` by default.
-        allreduce: averages the rows' gradient over the processes; None in one process (or under DDP).
-        mixed_precision: ``"no"`` or ``"bf16"``, named when a step diverges.
-        gradient_checked: whether the first step's gradient was checked to reach the rows.
+        family: how prompts are encoded and the UNet called (:mod:`helpers.training.families`).
+        text_encoder_2, learned_2: SDXL's second encoder and its rows (hooked in the same way).
+        view_sizes: each cached view's :class:`~helpers.training.families.ImageSizes` (SDXL's
+            ``time_ids``, so every example of a batch, a short last one too, gets its own).
     """
 
     unet: torch.nn.Module
     text_encoder: torch.nn.Module
     noise_scheduler: Any
     learned: torch.nn.Module
-    optimizer: torch.optim.Optimizer
     latent_mean: torch.Tensor
     latent_std: torch.Tensor
     scaling_factor: float
     seed: int
-    lr_scheduler: Any | None = None
     autocast: Callable[[], AbstractContextManager] = nullcontext
     backward: Callable[[torch.Tensor], None] = _plain_backward
-    allreduce: AllreduceCounter | None = None
-    mixed_precision: str = "no"
-    gradient_checked: bool = False
+    family: Family = sd1.FAMILY
+    text_encoder_2: torch.nn.Module | None = None
+    learned_2: torch.nn.Module | None = None
+    view_sizes: Sequence[ImageSizes] = ()
 
     @property
     def vectors(self) -> torch.nn.Parameter:
         """The learned rows themselves (``num_vectors x hidden``), unwrapped."""
         return getattr(self.learned, "module", self.learned).vectors
 
+    @property
+    def all_vectors(self) -> list[torch.nn.Parameter]:
+        """Every encoder's learned rows, in the family's order."""
+        learned = [self.learned] if self.learned_2 is None else [self.learned, self.learned_2]
+        return [getattr(m, "module", m).vectors for m in learned]
+
+    def loss_extras(self, batch: dict) -> dict:
+        """What :func:`diffusion_loss` needs of a batch beyond SD v1's arguments ({} for SD v1)."""
+        if self.text_encoder_2 is None:
+            return {}
+        sizes = [self.view_sizes[int(v)] for v in batch["view_index"]]
+        return {"family": self.family, "text_encoder_2": self.text_encoder_2,
+                "input_ids_2": batch["input_ids_2"], "sizes": sizes}  # fmt: skip
+
 
 def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, step: int) -> float:
-    """One optimisation step: each micro-batch's loss and backward, the rows' all-reduce, the update.
+    """One textual-inversion optimisation step: each micro-batch's loss and backward, then :func:`apply_update`.
 
     For each micro-batch: its latents, noise and timesteps drawn from generators keyed by
     (seed, epoch, dataset index), the diffusion loss under ``parts.autocast``, and
-    ``parts.backward``. Then, with several processes, the learned rows' gradient is averaged by one
-    synchronous all-reduce of ``num_vectors x hidden`` floats (the frozen matrix has no gradient);
-    the first step checks the gradient reached the rows; then optimizer and scheduler step.
-    A loss, gradient or row that is not finite stops the run at once (all processes see the same
-    averaged gradient and rows, so all stop at the same step).
+    ``parts.backward``. With several processes the learned rows' gradient is then averaged by one
+    synchronous all-reduce of ``num_vectors x hidden`` floats (the frozen matrix has no gradient).
 
     Args:
         parts: the modules, rows, optimizer and latents.
@@ -251,8 +324,7 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
         The mean loss of this process's micro-batches.
 
     Raises:
-        TrainingDivergedError: the loss, the rows' gradient or the rows are not finite; the
-            message names the step and the likely cause.
+        TrainingDivergedError: see :func:`apply_update`.
     """
     if not micro_batches:
         raise ValueError("training_step needs at least one micro-batch")
@@ -276,40 +348,61 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
                 latents * parts.scaling_factor,
                 noise,
                 timesteps,
+                **parts.loss_extras(batch),
             )
         parts.backward(loss)
         losses.append(loss.detach().item())
-    vectors = parts.vectors
-    if parts.allreduce is not None:
+    apply_update(parts, parts.all_vectors, losses, step)
+    return sum(losses) / len(losses)
+
+
+def apply_update(
+    update: Update, params: list[torch.nn.Parameter], losses: Sequence[float], step: int
+) -> None:
+    """The update after a step's micro-batches were back-propagated, the same for every method.
+
+    With several processes the gradients are averaged by one synchronous all-reduce; then the
+    first step checks the gradient reached ``params``, the gradients are clipped (if asked) and
+    optimizer and scheduler step. A loss, gradient or value that is not finite stops the run at
+    once (all processes see the same averaged gradient and values, so all stop at the same step).
+
+    Raises:
+        TrainingDivergedError: the loss, a gradient or a value is not finite; the message names
+            the step and the likely cause.
+    """
+    if update.allreduce is not None:
         # a rank blocked here waits for a slower one; helpers.launch blames that one
         status.beat(status.WAITING, step)
-        parts.allreduce.all_reduce_mean(vectors.grad)
+        update.allreduce.average(params)
     bad = [x for x in losses if not math.isfinite(x)]
     if bad:
-        raise diverged(parts, step, "the loss", bad[0])
-    if vectors.grad is not None and not torch.isfinite(vectors.grad).all():
-        raise diverged(parts, step, "the gradient of the learned rows", _first_bad(vectors.grad))
-    if not parts.gradient_checked:
-        check_gradient_reaches(vectors)
-        parts.gradient_checked = True
-    parts.optimizer.step()
-    if parts.lr_scheduler is not None:
-        parts.lr_scheduler.step()
-    parts.optimizer.zero_grad()
-    if not torch.isfinite(vectors).all():
-        raise diverged(parts, step, "the learned embeddings", _first_bad(vectors))
-    return sum(losses) / len(losses)
+        raise diverged(update, step, "the loss", bad[0])
+    for grad in (p.grad for p in params if p.grad is not None):
+        if not torch.isfinite(grad).all():
+            raise diverged(update, step, update.names.gradient, _first_bad(grad))
+    if update.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, update.max_grad_norm)
+    if not update.gradient_checked:
+        check_gradient_reaches(params, update.names.reaches)
+        update.gradient_checked = True
+    update.optimizer.step()
+    if update.lr_scheduler is not None:
+        update.lr_scheduler.step()
+    update.optimizer.zero_grad()
+    for values in params:
+        if not torch.isfinite(values).all():
+            raise diverged(update, step, update.names.values, _first_bad(values))
 
 
 def _first_bad(tensor: torch.Tensor) -> float:
     return tensor.detach()[~torch.isfinite(tensor.detach())].flatten()[0].item()
 
 
-def diverged(parts: StepParts, step: int, what: str, value: float) -> TrainingDivergedError:
+def diverged(update: Update, step: int, what: str, value: float) -> TrainingDivergedError:
     """The error that stops a run whose ``what`` became ``value`` (inf or nan) at ``step``."""
-    lr = parts.optimizer.param_groups[0]["lr"]
-    causes = [f"the learning rate {lr:g} is too high (textual inversion trains well at 1e-4 to 5e-3)"]
-    if parts.mixed_precision == "bf16":
+    lr = update.optimizer.param_groups[0]["lr"]
+    causes = [f"the learning rate {lr:g} is too high ({update.names.trains_well})"]
+    if update.mixed_precision == "bf16":
         causes.append("bf16 precision (try --mixed_precision no)")
     return TrainingDivergedError(
         f"training diverged at step {step}: {what} is not finite ({value}). Likely cause: "
@@ -318,14 +411,18 @@ def diverged(parts: StepParts, step: int, what: str, value: float) -> TrainingDi
     )
 
 
-def check_gradient_reaches(vectors: torch.Tensor) -> None:
+def check_gradient_reaches(
+    params: torch.Tensor | Sequence[torch.Tensor], what: str = "the placeholder embedding"
+) -> None:
     """Guard against setups (e.g. IPEX weight prepacking) that silently cut the gradient.
 
     Raises:
-        RuntimeError: the rows' gradient is None, zero or not finite.
+        RuntimeError: the gradient of ``params`` (a tensor or several) is None, zero or not finite.
     """
-    if vectors.grad is None or not torch.isfinite(vectors.grad).all() or not vectors.grad.abs().sum() > 0:
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    total = sum(float(p.grad.abs().sum()) for p in params if p.grad is not None)
+    if not math.isfinite(total) or not total > 0:
         raise RuntimeError(
-            "the gradient did not reach the placeholder embedding (it is None, zero or not finite), so "
-            "training would change nothing. If use_ipex is on, run without it; otherwise report this bug."
+            f"the gradient did not reach {what} (it is None, zero or not finite), so training would "
+            "change nothing. If use_ipex is on, run without it; otherwise report this bug."
         )

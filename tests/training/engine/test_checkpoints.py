@@ -244,3 +244,51 @@ def test_an_unreadable_checkpoint_file_is_one_line_naming_the_checkpoint(tmp_pat
         ck.load_state(Refusing(EOFError("Ran out of input")), ckpt)
     with pytest.raises(KeyError):  # not a damaged file: a bug, left as it is
         ck.load_state(Refusing(KeyError("model")), ckpt)
+
+
+# --- planted links: never written through, never followed ------------------------------------------
+
+
+def _elsewhere(tmp_path: Path) -> Path:
+    """A folder outside the run's, with a file of known content, that planted links point at."""
+    folder = tmp_path / "elsewhere"
+    folder.mkdir()
+    (folder / "optimizer.bin").write_bytes(b"theirs")
+    return folder
+
+
+def test_a_link_planted_at_the_checkpoints_known_temporary_name_is_removed_not_filled(tmp_path):
+    out, elsewhere = tmp_path / "out", _elsewhere(tmp_path)
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / ".checkpoint-4.tmp").symlink_to(elsewhere)
+    final = ck.save_checkpoint(FakeAccelerator([]), settings(None), out, 4, [], lambda folder: None)
+    assert not final.is_symlink() and (final / "optimizer.bin").read_bytes() == b"adam"
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["optimizer.bin"]
+    assert (elsewhere / "optimizer.bin").read_bytes() == b"theirs"
+
+
+def test_a_link_named_like_a_checkpoint_is_neither_listed_nor_rotated(tmp_path):
+    out, elsewhere = tmp_path / "out", _elsewhere(tmp_path)
+    make_checkpoint(out, 2)
+    (elsewhere / "random_states_0.pkl").write_bytes(b"planted")
+    (out / "checkpoints" / "checkpoint-1").symlink_to(elsewhere)
+    (out / "checkpoints" / ".checkpoint-1.deleting").symlink_to(elsewhere)
+    assert [p.name for p in ck.list_checkpoints(out)] == ["checkpoint-2"]
+    with pytest.raises(TrainingInputError):
+        ck.resolve_checkpoint(tmp_path / "empty", "latest")
+    assert ck.resolve_checkpoint(out, "latest").name == "checkpoint-2"
+    make_checkpoint(out, 3)
+    assert [p.name for p in ck.prune_checkpoints(out, out / "checkpoints" / "checkpoint-3", 1)] == [
+        "checkpoint-2"
+    ]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["optimizer.bin", "random_states_0.pkl"]
+
+
+def test_rotation_removes_a_link_at_the_aside_name_not_its_target(tmp_path):
+    out, elsewhere = tmp_path / "out", _elsewhere(tmp_path)
+    for step in (1, 2):
+        make_checkpoint(out, step)
+    (out / "checkpoints" / ".checkpoint-1.deleting").symlink_to(elsewhere)
+    ck.prune_checkpoints(out, out / "checkpoints" / "checkpoint-2", 1)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert (elsewhere / "optimizer.bin").read_bytes() == b"theirs"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -371,3 +372,162 @@ def test_the_rank_comes_from_the_launchers_variables(env, rank, monkeypatch):
         monkeypatch.setenv(name, value)
     assert f.env_rank() == rank
     assert f.is_main_process() is (rank in (None, 0))
+
+
+# --- planted links: the lock and every name a run writes -------------------------------------------
+
+
+def _plant(out: Path, name: str, kind: str, victim: Path) -> Path:
+    """``out/name`` as someone else left it: a link to ``victim``, a dangling link, a folder or a FIFO."""
+    path = out / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "link":
+        path.symlink_to(victim)
+    elif kind == "dangling link":
+        path.symlink_to(victim.parent / "not-there-yet")
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling link", "folder", "fifo"])
+def test_a_lock_path_that_is_not_a_plain_file_is_refused_and_never_written(tmp_path, kind):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    path = _plant(out, f.LOCK_FILE, kind, victim)
+    what = {"link": f"a symbolic link (to {victim})", "dangling link": "a symbolic link (to "
+            f"{tmp_path / 'not-there-yet'})", "folder": "a folder", "fifo": "not a regular file"}[kind]  # fmt: skip
+    message = (
+        f"output_dir {out}: {f.LOCK_FILE} is {what}, where a run keeps its lock (a plain file it creates; a "
+        f"link could make it overwrite another file). Fix: remove it (rm -r {path}), or choose another output_dir."
+    )
+    for attempt in (lambda: f.check_output_dir(config(out)), lambda: f.FolderLock(out).acquire()):
+        with pytest.raises(TrainingInputError) as err:
+            attempt()
+        assert str(err.value) == message
+    assert victim.read_text() == "precious" and not (tmp_path / "not-there-yet").exists()
+    assert names(out) == {f.LOCK_FILE}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["train_config.yaml", "history.json", "history.json.partial", "learned_embeds.safetensors", "run_summary.json",
+     "model_index.json", "checkpoints", "samples", "logs", "unet", "checkpoints/checkpoint-2",
+     "checkpoints/checkpoint-2/optimizer.bin", "checkpoints/.checkpoint-4.tmp", "samples/step-4-0.png",
+     "logs/textual_inversion/events.out.tfevents.1.host.1.0"],
+)  # fmt: skip
+def test_a_link_where_the_run_writes_is_refused_before_anything_is_written(tmp_path, name):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = write_run(tmp_path / "out", checkpoints=[2])
+    (out / "samples").mkdir()
+    (out / "logs" / "textual_inversion").mkdir(parents=True)
+    if (out / name).exists():
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    link = _plant(out, name, "link", victim)
+    before = names(out)
+    with pytest.raises(TrainingInputError) as err:
+        f.check_output_dir(config(out, resume_from_checkpoint="latest"))
+    assert str(err.value) == (
+        f"output_dir {out}: {name} is a symbolic link (to {victim}); a run writes its own files and never "
+        f"through a link. Fix: remove the link (rm {link}), or choose another output_dir (output_dir itself "
+        f"may be a link)."
+    )
+    assert victim.read_text() == "precious" and names(out) == before
+
+
+def test_the_output_folder_itself_may_be_a_link_and_a_users_own_links_stay(tmp_path):
+    real = write_run(tmp_path / "disk" / "run")
+    (real / "notes.txt").symlink_to(tmp_path / "disk")  # not a name the run writes
+    (tmp_path / "out").symlink_to(real)
+    assert f.check_output_dir(config(tmp_path / "out", overwrite_output_dir=True)).state == f.INTERRUPTED
+
+
+def test_leftovers_are_never_looked_for_through_a_linked_folder(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / ".git").mkdir(parents=True)
+    out = write_run(tmp_path / "out")
+    (out / "checkpoints").symlink_to(elsewhere)
+    assert f.inspect_output_dir(out).leftovers == []
+    f.clear_run(out)
+    assert (elsewhere / ".git").is_dir() and not (out / "checkpoints").exists()
+
+
+# --- a run stopped before its first checkpoint: the same command starts over -----------------------
+
+
+@pytest.mark.parametrize("trainer", ["textual_inversion", "dreambooth"])
+def test_the_same_command_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path, trainer):
+    """Ctrl-C, TERM or a kill before any checkpoint leaves only the settings (and samples, logs): the
+    same command is accepted and the old files go under the lock; another command is still refused."""
+    from helpers.dreambooth.config import DreamBoothConfig
+    from helpers.dreambooth.saving import DREAMBOOTH
+    from helpers.training.config import TrainConfig
+    from helpers.training.data import sample_concept_dir
+
+    out = tmp_path / "out"
+    if trainer == "dreambooth":
+        layout, make = (
+            DREAMBOOTH,
+            lambda **kw: DreamBoothConfig(
+                instance_data_dir=str(sample_concept_dir()),
+                instance_prompt="a sks toy",
+                output_dir=str(out),
+                **kw,
+            ),
+        )
+    else:
+        layout, make = f.TEXTUAL_INVERSION, lambda **kw: TrainConfig(output_dir=str(out), **kw)
+    stopped = make(learning_rate=1e-3)
+    out.mkdir()
+    stopped.to_yaml(out / layout.config_file)
+    (out / "samples").mkdir()
+    (out / "samples" / "step-2-0.png").write_bytes(b"png")
+    (out / "notes.txt").write_text("mine")
+    folder = f.inspect_output_dir(out, layout)
+    assert folder.state == f.INTERRUPTED and f.starts_over(folder, make(learning_rate=1e-3))
+    assert not f.starts_over(folder, make(learning_rate=2e-3))
+    with pytest.raises(
+        TrainingInputError, match=r"it saved no checkpoint to resume: pass --overwrite_output_dir"
+    ):
+        f.check_output_dir(make(learning_rate=2e-3), layout)
+    again = make(learning_rate=1e-3)
+    assert f.check_output_dir(again, layout).state == f.INTERRUPTED
+    with f.hold_output_dir(again, layout):
+        assert names(out) == {f.LOCK_FILE, "notes.txt"}
+    assert not f.starts_over(f.inspect_output_dir(out, layout), again)  # nothing left to restart
+
+
+def test_a_stopped_run_with_a_checkpoint_is_resumed_not_restarted(tmp_path):
+    from helpers.training.config import TrainConfig
+
+    out = tmp_path / "out"
+    run = TrainConfig(output_dir=str(out))
+    write_run(out, checkpoints=[2])
+    run.to_yaml(out / "train_config.yaml")
+    assert not f.starts_over(f.inspect_output_dir(out), run)
+    with pytest.raises(TrainingInputError, match="resume it with --resume_from_checkpoint latest"):
+        f.check_output_dir(run)
+
+
+# --- logging_dir, checked with the output folder ---------------------------------------------------
+
+
+def test_logging_dir_is_checked_with_the_folder_only_when_tensorboard_writes_it(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    bad = config(tmp_path / "out", report_to="tensorboard", logging_dir=str(tmp_path / "notes.txt"))
+    with pytest.raises(TrainingInputError) as err:
+        f.check_output_dir(bad)
+    assert str(err.value) == (
+        f"logging_dir {tmp_path / 'notes.txt'} is a file: TensorBoard writes a folder there. Fix: pass another "
+        "--logging_dir (a folder name, relative to output_dir), or --report_to none."
+    )
+    assert not (tmp_path / "out").exists()
+    f.check_output_dir(config(tmp_path / "out", report_to="none", logging_dir=str(tmp_path / "notes.txt")))
+    assert (
+        f.check_output_dir(config(tmp_path / "out", report_to="tensorboard", logging_dir="logs")).state
+        == f.EMPTY
+    )

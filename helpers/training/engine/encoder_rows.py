@@ -1,0 +1,124 @@
+"""Textual Inversion's placeholder rows in every text encoder of a family, and the files they are saved to.
+
+SD v1 has one text encoder, SDXL two (:mod:`helpers.training.families`). As diffusers'
+``textual_inversion_sdxl.py`` does, the placeholder tokens are added to *each* tokenizer, their
+rows to *each* encoder, each initialised from the initializer token's row of that encoder, and
+all of them train. Each encoder's rows are a
+:class:`~helpers.training.engine.rows.LearnedEmbeddings` routed in by an
+:class:`~helpers.training.engine.rows.EmbeddingHook` (:mod:`helpers.training.engine.rows`: the
+frozen matrices get no gradient), always held in fp32 whatever the encoder's dtype (diffusers'
+SDXL script holds the second encoder's in the mixed-precision dtype). A run writes one file per
+encoder in diffusers' layout, ``{placeholder_token: FloatTensor[num_vectors, width]}``:
+``learned_embeds.safetensors`` (``text_encoder``) and, for SDXL, ``learned_embeds_2.safetensors``
+(``text_encoder_2``), which stock ``load_textual_inversion`` reads, the second with
+``text_encoder=pipe.text_encoder_2, tokenizer=pipe.tokenizer_2``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from helpers.training.engine.rows import (
+    EmbeddingHook,
+    LearnedEmbeddings,
+    add_placeholder_tokens,
+    check_tokens,
+    write_rows,
+)
+from helpers.training.engine.saving import save_learned_embeds
+from helpers.training.families import Family
+
+
+@dataclass
+class EncoderRows:
+    """One text encoder's trainable placeholder rows, routed into it.
+
+    Attributes:
+        token_ids: the placeholder tokens' ids in this encoder's tokenizer (contiguous).
+        learned: the trainable ``num_vectors x width`` rows (fp32).
+        hook: routes the encoder's token embedding through ``learned``; ``hook.remove()`` undoes it.
+    """
+
+    token_ids: list[int]
+    learned: LearnedEmbeddings
+    hook: EmbeddingHook
+
+
+def add_placeholder_rows(
+    tokenizers: Sequence,
+    text_encoders: Sequence[torch.nn.Module],
+    placeholder_token: str,
+    initializer_token: str,
+    num_vectors: int = 1,
+    templates: Iterable[str] = (),
+) -> list[list[int]]:
+    """Add the placeholder tokens to every tokenizer and their rows (initialised) to every encoder.
+
+    Every tokenizer is checked before anything is added (:func:`~helpers.training.engine.rows.check_tokens`),
+    so a bad token leaves all of them unchanged.
+
+    Args:
+        tokenizers, text_encoders: one pair per encoder, in the family's order.
+        templates: the prompt templates the run trains with (each must leave room for the vectors).
+
+    Returns:
+        Each encoder's new token ids.
+
+    Raises:
+        TrainingInputError: a token is not new, the initializer is not one token, or the vectors do
+            not fit in a prompt, in any of the tokenizers.
+    """
+    templates = list(templates)
+    for tokenizer in tokenizers:
+        check_tokens(tokenizer, placeholder_token, initializer_token, num_vectors, templates)
+    return [
+        add_placeholder_tokens(tokenizer, encoder, placeholder_token, initializer_token, num_vectors)
+        for tokenizer, encoder in zip(tokenizers, text_encoders, strict=True)
+    ]
+
+
+def trainable_rows(
+    text_encoders: Sequence[torch.nn.Module], token_ids: Sequence[Sequence[int]]
+) -> list[EncoderRows]:
+    """Each encoder's placeholder rows as trainable fp32 vectors, routed into the encoder by a hook.
+
+    Args:
+        text_encoders: the encoders, the rows already added (:func:`add_placeholder_rows`).
+        token_ids: each encoder's placeholder token ids.
+    """
+    rows = []
+    for encoder, ids in zip(text_encoders, token_ids, strict=True):
+        learned = LearnedEmbeddings(encoder.get_input_embeddings().weight[list(ids)], ids)
+        rows.append(EncoderRows(token_ids=list(ids), learned=learned, hook=EmbeddingHook(encoder, learned)))
+    return rows
+
+
+def write_encoder_rows(text_encoders: Sequence[torch.nn.Module], rows: Sequence[EncoderRows]) -> None:
+    """Copy each encoder's learned vectors into its embedding matrix (for saving the pipeline, sampling)."""
+    for encoder, row in zip(text_encoders, rows, strict=True):
+        write_rows(encoder, row.token_ids, row.learned.vectors)
+
+
+def save_encoder_embeds(
+    output_dir: str | os.PathLike, family: Family, placeholder_token: str, vectors: Sequence[torch.Tensor]
+) -> list[Path]:
+    """Write each encoder's vectors to the family's file for it (``learned_embeds[_2].safetensors``), in fp32.
+
+    Each file is written atomically (complete or absent).
+
+    Returns:
+        The files written, in the family's encoder order.
+    """
+    if len(vectors) != len(family.learned_embeds_files):
+        raise ValueError(
+            f"{family.name} has {len(family.learned_embeds_files)} text encoders, got vectors for {len(vectors)}"
+        )
+    return [
+        save_learned_embeds(Path(output_dir) / name, placeholder_token, v)
+        for name, v in zip(family.learned_embeds_files, vectors, strict=True)
+    ]
