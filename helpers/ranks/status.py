@@ -23,7 +23,6 @@ would; :func:`add_listener` lets such a rank see every beat (e.g. to report each
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -89,19 +88,37 @@ def start() -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     # Never closed: the kernel releases the lock when the process is gone, not before.
     path = Path(folder) / f"rank{rank}.lock"
-    try:  # never through a link planted at this known name (os.open's descriptors are not inherited)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as err:
-        if err.errno not in (errno.ELOOP, errno.EISDIR):
-            raise
+    try:
+        fd = _locked_file(path)
+    except IsADirectoryError:
         raise InputError(
-            f"{STATUS_DIR_ENV}={folder}: {path.name} is a symbolic link or a folder, where this rank keeps its "
-            f"lock. Fix: remove it (rm -r {path}) and start the job again."
+            f"{STATUS_DIR_ENV}={folder}: {path.name} is a folder, where this rank keeps its lock. "
+            f"Fix: remove it (rm -r {path}) and start the job again."
         ) from None
-    fcntl.flock(fd, fcntl.LOCK_EX)
     _reporter = _Reporter(Path(folder), rank, fd)
     beat("started")
     follow_launcher(folder)
+
+
+def _locked_file(path: Path) -> int:
+    """A descriptor holding an exclusive ``flock`` on a new file that only then takes ``path``'s name.
+
+    The launcher reads a lock it finds free as a rank that has exited, so the name must never show
+    an unlocked file: created and locked under a hidden name, the file is renamed into place. The
+    rename replaces a file or a symbolic link planted at ``path`` and never follows it; a folder
+    there raises :class:`IsADirectoryError`. The descriptor is not inherited by child processes.
+    """
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.unlink(missing_ok=True)  # left by an earlier process with this pid
+    fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(staging, path)
+    except BaseException:
+        os.close(fd)
+        staging.unlink(missing_ok=True)
+        raise
+    return fd
 
 
 def _terminate_self() -> None:
