@@ -69,7 +69,8 @@ handouts: demo system-packages
 
 # --durations: the slowest tests, so a CI log shows where its time goes (CI's limit is 90 min).
 # -n 2 --dist loadscope: two workers, a module's tests on one (its module fixtures are computed once);
-# the notebooks run once for both workers (tests/conftest.py's notebook_records).
+# the notebooks run once (tests/conftest.py's notebook_records), and every check of their records is in
+# tests/workshop/test_notebooks.py, on the worker that runs them: a test elsewhere would wait idle.
 test: setup system-packages
 	$(PY) -m pytest -q -n 2 --dist loadscope --durations=30
 

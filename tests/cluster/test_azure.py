@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.cluster import azure, estimates
+from helpers.cluster import azure
 from helpers.cluster import prices as azure_data
-from helpers.workshop import notebooks
 
 CIDR = "203.0.113.7/32"  # RFC 5737 documentation address
 LOGIN = "Please run 'az login' to setup account."
@@ -769,20 +768,3 @@ def test_python_dash_m_runs_the_package():
         timeout=120,
     )
     assert out.returncode == 2 and out.stderr.startswith("error: no-such.yaml does not exist")
-
-
-# --- notebook 01 -------------------------------------------------------------------------------
-
-
-@pytest.mark.notebooks
-def test_notebook_01_records(notebook_records):
-    records = notebook_records("01_azure_cluster_setup")
-    profile = notebooks.tiny_profile("01_azure_cluster_setup")
-    spec = azure.ClusterSpec(ssh_source_cidr=profile["ssh_source_cidr"])  # the notebook's defaults otherwise
-    commands = azure.plan(spec)
-    assert records["planned_commands"] == len(commands) == 13
-    assert records["mutating_commands"] == sum(c.mutating for c in commands) == 12
-    assert records["estimated_cost_per_hour"] == azure.estimate_cost(spec).per_hour == 0.823
-    # the cluster's hours: the real run's training time on these nodes plus setup_hours (1.5)
-    training = estimates.cluster_time(spec.vm_size, spec.node_count)
-    assert records["estimated_hours"] == round(training.hours + 1.5, 1) > 1.5

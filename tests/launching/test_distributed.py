@@ -495,30 +495,3 @@ def test_config_form_writes_the_files_with_the_parameters_defaults(tmp_path):
 def test_local_host_detection_knows_this_machines_addresses():
     assert is_local_host("localhost") and is_local_host("127.0.0.1") and is_local_host(socket.gethostname())
     assert not is_local_host("no-such-node.invalid")
-
-
-@pytest.mark.notebooks
-def test_notebook_03_records(notebook_records, notebook_run_dir):
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    from helpers.core import cpu
-
-    r = notebook_records("03_accelerate_config")
-    assert r["config_files"] == ["accelerate_config_node0.yaml"] and r["machine_ranks"] == [0]
-    assert (r["num_processes"], r["num_machines"], r["distributed_type"]) == (2, 1, "MULTI_CPU")
-    assert r["mixed_precision"] == cpu.choose_precision("auto").mixed_precision
-    assert r["questions_answered"] == 13  # every prompt of `accelerate config` for multi-CPU
-    written = load_config_from_file(
-        str(notebook_run_dir / "accelerate_configs" / "accelerate_config_node0.yaml")
-    )
-    assert (written.num_processes, written.machine_rank, written.use_cpu) == (2, 0, True)
-    # the dry run for notebook 01's planned 3-node cluster: one file per node, head's private IP
-    assert r["example_cluster_files"] == [f"accelerate_config_node{k}.yaml" for k in range(3)]
-    example = [
-        load_config_from_file(str(notebook_run_dir / "accelerate_configs" / "example-cluster" / name))
-        for name in r["example_cluster_files"]
-    ]
-    assert [(c.machine_rank, c.num_machines, c.num_processes) for c in example] == [
-        (k, 3, 6) for k in range(3)
-    ]
-    assert {c.main_process_ip for c in example} == {"10.42.1.4"}

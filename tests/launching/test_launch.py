@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from helpers import launch
-from helpers.cluster import scaling
 from helpers.core import errors
 from helpers.launching import commands, job, rank_output
 from helpers.launching.layout import ClusterLayout, free_port
@@ -541,50 +540,6 @@ def test_accumulated_micro_batches_across_processes_equal_one_big_batch(engine_r
     assert history_losses(two) == pytest.approx(history_losses(one), rel=SPLIT_LOSS_REL)
     torch.testing.assert_close(learned(two), learned(one), rtol=0, atol=SPLIT_ATOL)
     assert not torch.equal(learned(two), learned(engine_runs["mpirun"]))  # 4 images per step, not 2
-
-
-@pytest.mark.notebooks
-def test_notebook_04_records(notebook_records, notebook_run_dir):
-    r = notebook_records("04_multi_node_mpirun")
-    assert r["world_size"] == 2 and r["steps"] == 200 and r["embeddings_identical_across_ranks"] is True
-    hidden, num_vectors = 32, 1  # the toy world's text encoder
-    assert r["allreduce_bytes_per_step"] == num_vectors * hidden * 4
-    assert r["full_matrix_allreduce_bytes_per_step"] >= 10_000 * r["allreduce_bytes_per_step"]
-    # the scaling model's check against the guide's published run (tests/cluster/test_scaling.py has the numbers)
-    assert r["scaling_guide_seconds_per_step"] == pytest.approx({"model": 0.627, "published": 1.2}, abs=5e-4)
-    assert r["images_per_second"] > 0
-    assert r["images_per_second_per_process"] == pytest.approx(r["images_per_second"] / 2)
-    assert r["preflight_problems"] == 0 and r["final_loss"] > 0
-    assert " -n 2 -ppn 2 " in r["command"] and "accelerate.commands.launch --config_file" in r["command"]
-    assert (notebook_run_dir / "outputs" / "pip-toyworld-mpirun" / "learned_embeds.safetensors").is_file()
-    # the backend: ccl where it is built (as the guides run), its variables in the command; gloo's step from the bench
-    assert r["backend"] == r["ray_backend"] == AUTO
-    assert ("-genv CCL_ATL_TRANSPORT ofi" in r["command"]) == (AUTO == "ccl")
-    effect = scaling.backend_effect()
-    assert r["gloo_over_ccl_step"] == (
-        effect.seconds_per_step["gloo"] / effect.seconds_per_step["ccl"] if effect else None
-    )
-    # the cluster run learned Pip too (the judge's mean probability, 8 pictures); CPU-dependent as
-    # notebook 02's (tests/workshop/test_notebooks.py): 0.645 in fp32 on an AVX-512 Xeon without bf16
-    assert r["concept_score"] >= 0.6
-    # the Ray section: the same training through Ray Train workers (a private runtime here)
-    assert r["ray_world_size"] == 2 and r["ray_embeddings_identical_across_ranks"] is True
-    assert r["ray_images_per_second"] > 0
-    assert r["ray_reported_steps"][0] == 1 and r["ray_reported_steps"][-1] == 200
-    assert (
-        r["ray_startup_seconds"]["ray_init_seconds"] > 0
-        and r["ray_startup_seconds"]["workers_started_seconds"] > 0
-    )
-    assert "-m helpers.launching.ray_train --nproc_per_node 2 --num_nodes 1 " in r["ray_command"]
-    assert "--ray_address" not in r["ray_command"]
-    assert (notebook_run_dir / "outputs" / "pip-toyworld-mpirun-ray" / "learned_embeds.safetensors").is_file()
-    # the dry run for notebook 01's planned 3-node cluster (Standard_D8_v5: 4 cores, 2 ranks each)
-    (mpirun,), torchrun = r["example_commands"]["mpirun"], r["example_commands"]["torchrun"]
-    assert " -f cluster/hostfile -n 6 -ppn 2 " in mpirun and "-genv MASTER_ADDR 10.42.1.4" in mpirun
-    assert "-genv OMP_NUM_THREADS 2" in mpirun
-    assert ("-genv FI_PROVIDER tcp" in mpirun) == (AUTO == "ccl")  # 3 nodes: libfabric's tcp between them
-    assert [c.split("--node_rank ")[1].split()[0] for c in torchrun] == ["0", "1", "2"]
-    assert all("--nnodes 3 " in c and "--master_addr 10.42.1.4 " in c for c in torchrun)
 
 
 # --- supervision to the end ---------------------------------------------------------------------------
