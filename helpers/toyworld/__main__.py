@@ -2,8 +2,8 @@
 
 ::
 
-    python -m helpers.toyworld build --output_dir DIR [--seed 0] [--unet_steps N ...]
-    python -m helpers.toyworld score --model toyworld --prompt "a photo of <pip>" \\
+    python -m helpers.toyworld build [--family sd1|sdxl] --output_dir DIR [--seed 0] [--unet_steps N ...]
+    python -m helpers.toyworld score --model toyworld|toyworld-xl --prompt "a photo of <pip>" \\
         [--learned_embeds PATH] [--num_images 8] [--seed 0] [--output_dir DIR]
     python -m helpers.toyworld render-sample DEST   # the bundled pictures of Pip (helpers/assets/sample_concept)
 
@@ -26,10 +26,14 @@ from helpers.toyworld import build, evaluate, world
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m helpers.toyworld", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="train the toy-world pipeline and judge (resumable)")
+    b = sub.add_parser(
+        "build", help="train the toy-world pipeline and judge, or graft its SDXL twin (resumable)"
+    )
     build.add_arguments(b)
     s = sub.add_parser("score", help="generate pictures and print Pip's mean probability as JSON")
-    s.add_argument("--model", default="toyworld", help='"toyworld" or a folder built by `build`')
+    s.add_argument(
+        "--model", default="toyworld", help='"toyworld", "toyworld-xl" or a folder built by `build`'
+    )
     s.add_argument("--prompt", required=True, help='e.g. "a photo of <pip>"')
     s.add_argument("--learned_embeds", help="learned_embeds.safetensors (or the training output_dir)")
     s.add_argument("--num_images", type=int, default=8)

@@ -1,6 +1,7 @@
-"""Build the toy-world model: a tiny Stable Diffusion v1 pipeline trained here, and its judge.
+"""Build the toy-world models: a tiny Stable Diffusion v1 pipeline trained here, its judge, and its SDXL twin.
 
-``python -m helpers.toyworld build --output_dir DIR`` renders the world, then trains in phases:
+``python -m helpers.toyworld build --output_dir DIR`` (``--family sd1``, the default) renders the
+world, then trains in phases:
 
 1. **VAE** (``AutoencoderKL``, 4x downsampling: 64 px scenes become 16x16x4 latents).
 2. **Latents**: every scene encoded once; the scaling factor makes their standard deviation 1.
@@ -13,6 +14,14 @@
 5. **Evaluation and saving**: the pipeline (``StableDiffusionPipeline.save_pretrained`` layout),
    the judge and ``manifest.json`` with the command, seed, versions, sha256 of every file, final
    losses and the judge's scores.
+
+``--family sdxl`` builds ``toyworld-xl``, a ``StableDiffusionXLPipeline`` of the same world, *grafted*
+from a finished SD v1 build (``--base_model``, by default the shipped ``toyworld``) rather than
+trained from scratch (:mod:`helpers.toyworld.graft`): the VAE, scheduler, tokenizer (twice) and judge
+are the base's files, byte for byte; the two text encoders and the ``text_time`` UNet start from the
+base's weights, arranged so that they compute what the base computed; then only the generator
+phase runs (both encoders and the UNet, the same loss, captions, EMA and empty captions), for far
+fewer steps. Its phases: scenes, latents (the base's VAE), generator.
 
 Every random draw is keyed by (seed, phase, step), and each phase checkpoints its state in
 ``DIR.build/`` beside the output: an interrupted build resumes where it stopped and ends with the
@@ -32,9 +41,10 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -44,10 +54,15 @@ from tqdm.auto import tqdm
 from helpers.core import cpu
 from helpers.core.errors import InputError, one_line
 from helpers.core.files import replace_dir_atomic, write_path_atomic, write_text_atomic
-from helpers.toyworld import world
+from helpers.toyworld import graft, world
 from helpers.toyworld.evaluate import evaluate
-from helpers.toyworld.judge import JUDGE_DIR, Judge, save_judge
-from helpers.training.models import SD_SCHEDULER_CONFIG, TINY_TEXT_CONFIG, build_clip_tokenizer
+from helpers.toyworld.judge import JUDGE_DIR, Judge, load_judge, save_judge
+from helpers.training.models import (
+    SD_SCHEDULER_CONFIG,
+    TINY_TEXT_CONFIG,
+    build_clip_tokenizer,
+    load_frozen_vae,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +98,10 @@ VAE_CONFIG = dict(
 
 @dataclass
 class BuildConfig:
-    """Every knob of the build (the defaults are what ships)."""
+    """Every knob of the SD v1 build (the defaults are what ships as ``toyworld``)."""
+
+    family: ClassVar[str] = "sd1"
+    phases: ClassVar[tuple[str, ...]] = PHASES
 
     output_dir: str = "toyworld"
     seed: int = 0
@@ -99,6 +117,33 @@ class BuildConfig:
     judge_batch_size: int = 64
     eval_images: int = 48
     checkpoint_every: int = 250
+
+
+@dataclass
+class XLBuildConfig:
+    """Every knob of the SDXL build, grafted from an SD v1 build (the defaults are what ships as ``toyworld-xl``).
+
+    The scenes and captions are drawn as the base's build drew them (the same ``seed`` and
+    ``num_scenes`` give the same world); there is no VAE or judge to train.
+    """
+
+    family: ClassVar[str] = "sdxl"
+    phases: ClassVar[tuple[str, ...]] = ("scenes", "latents", "generator")
+
+    output_dir: str = "toyworld-xl"
+    seed: int = 0
+    base_model: str = "toyworld"  # the SD v1 toy world it is grafted from: "toyworld" or a built folder
+    num_scenes: int = 8000
+    unet_steps: int = 800
+    unet_batch_size: int = 32
+    unet_learning_rate: float = 2e-4
+    ema_decay: float = 0.999
+    eval_images: int = 48
+    checkpoint_every: int = 250
+
+
+CONFIGS: dict[str, type] = {"sd1": BuildConfig, "sdxl": XLBuildConfig}
+"""The build's configuration class of each family (``--family``)."""
 
 
 def _gen(cfg: BuildConfig, phase: str, step: int) -> torch.Generator:
@@ -221,14 +266,14 @@ def train_vae(cfg: BuildConfig, work: Path, pixels: torch.Tensor):
 
 @torch.no_grad()
 def encode_latents(
-    cfg: BuildConfig, work: Path, vae, pixels: torch.Tensor
+    cfg: BuildConfig, work: Path, vae, pixels: torch.Tensor, desc: str = "2/4 latents"
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Phase 2: every scene's latent distribution, and the scaling factor that gives std 1."""
     phase = _Phase(work, "latents")
     state = phase.load()
     if state is None:
         means, stds = [], []
-        for start in tqdm(range(0, len(pixels), 256), desc="2/4 latents", unit="batch"):
+        for start in tqdm(range(0, len(pixels), 256), desc=desc, unit="batch"):
             dist = vae.encode(_pixels(pixels[start : start + 256])).latent_dist
             means.append(dist.mean)
             stds.append(dist.std)
@@ -250,35 +295,44 @@ def tokenize_captions(
     return ids.view(len(scenes), variants, -1)
 
 
-def train_generator(
-    cfg: BuildConfig, work: Path, latents: tuple[torch.Tensor, torch.Tensor, float], captions
-):
-    """Phase 3: text encoder and UNet together on the cached latents; returns the EMA copies."""
-    # imported here: these four classes cost 6.6 s CPU on top of this module (measured with
-    # time.process_time); `python -m helpers.toyworld render-sample` and --help import it and need none
-    from diffusers import DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+Modules = dict[str, torch.nn.Module]
+Predict = Callable[[Modules, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
+"""``predict(modules, input_ids, noisy_latents, timesteps, generator) -> noise prediction``: a
+family's text encoder(s) and UNet called on one batch (``generator`` for any further draws)."""
+
+
+def fit_generator(
+    cfg, work: Path, latents: tuple[torch.Tensor, torch.Tensor, float], captions,
+    make: Callable[[], Modules], predict: Predict, warmup: int, desc: str,
+) -> tuple[Modules, list[float]]:  # fmt: skip
+    """The generator phase of either family: text encoder(s) and UNet together on the cached latents.
+
+    ``make()`` gives the modules to train, by name (the names key the phase's checkpoint); it runs
+    inside the phase, so its time counts. The denoising loss on keyed batches (scene, caption
+    variant, noise, timestep), AdamW with gradient clipping, warm-up then cosine, and an
+    exponential moving average of every weight; returns the modules holding the EMA weights.
+    """
+    # imported here: diffusers costs 6.6 s CPU on top of this module (measured with time.process_time);
+    # `python -m helpers.toyworld render-sample` and --help import it and need none
+    from diffusers import DDPMScheduler
 
     mean, std, scaling = latents
-    torch.manual_seed(cfg.seed + 1)
-    unet = UNet2DConditionModel(**UNET_CONFIG)
-    torch.manual_seed(cfg.seed + 2)
-    text = CLIPTextModel(CLIPTextConfig(vocab_size=49408, **TEXT_CONFIG))
-    params = list(unet.parameters()) + list(text.parameters())
+    phase = _Phase(work, "generator")
+    modules = make()
+    params = [p for module in modules.values() for p in module.parameters()]
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=cfg.unet_learning_rate, weight_decay=0.01)
     scheduler = DDPMScheduler.from_config(SD_SCHEDULER_CONFIG)
-    phase = _Phase(work, "generator")
     state = phase.load() or {"step": 0, "losses": []}
     if state["step"]:
-        unet.load_state_dict(state["unet"])
-        text.load_state_dict(state["text_encoder"])
+        for name, module in modules.items():
+            module.load_state_dict(state[name])
         opt.load_state_dict(state["optimizer"])
         for e, saved in zip(ema, state["ema"], strict=True):
             e.copy_(saved)
-    unet.train()
-    text.train()
-    bar = tqdm(total=cfg.unet_steps, initial=state["step"], desc="3/4 text encoder + UNet", unit="step")
+    for module in modules.values():
+        module.train()
+    bar = tqdm(total=cfg.unet_steps, initial=state["step"], desc=desc, unit="step")
     for step in range(state["step"], cfg.unet_steps):
         g = _gen(cfg, "generator", step)
         idx = torch.randint(0, len(mean), (cfg.unet_batch_size,), generator=g)
@@ -286,25 +340,49 @@ def train_generator(
         z = (mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)) * scaling
         noise = torch.randn(z.shape, generator=g)
         t = torch.randint(0, scheduler.config.num_train_timesteps, (cfg.unet_batch_size,), generator=g)
-        hidden = text(captions[idx, variant])[0]
-        pred = unet(scheduler.add_noise(z, noise, t), t, hidden).sample
+        pred = predict(modules, captions[idx, variant], scheduler.add_noise(z, noise, t), t, g)
         loss = F.mse_loss(pred, noise)
-        _update(
-            opt, loss, _lr(step, cfg.unet_steps, cfg.unet_learning_rate, warmup=200), state, bar, clip=params
-        )
+        lr = _lr(step, cfg.unet_steps, cfg.unet_learning_rate, warmup=warmup)
+        _update(opt, loss, lr, state, bar, clip=params)
         decay = min(cfg.ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
             for e, p in zip(ema, params, strict=True):
                 e.lerp_(p.detach(), 1 - decay)
         if _checkpoint_due(cfg, step, cfg.unet_steps):
-            state.update(step=step + 1, unet=unet.state_dict(), text_encoder=text.state_dict(),
-                         optimizer=opt.state_dict(), ema=[e.clone() for e in ema])  # fmt: skip
+            weights = {name: module.state_dict() for name, module in modules.items()}
+            state.update(step=step + 1, **weights, optimizer=opt.state_dict(), ema=[e.clone() for e in ema])
             phase.save(state)
     bar.close()
     with torch.no_grad():
         for e, p in zip(ema, params, strict=True):
             p.copy_(e)
-    return text.eval(), unet.eval(), state["losses"]
+    for module in modules.values():
+        module.eval()
+    return modules, state["losses"]
+
+
+def train_generator(
+    cfg: BuildConfig, work: Path, latents: tuple[torch.Tensor, torch.Tensor, float], captions
+):
+    """Phase 3: text encoder and UNet together, from seeded random weights; returns the EMA copies."""
+
+    def make() -> Modules:
+        from diffusers import UNet2DConditionModel  # at call time: see fit_generator
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        torch.manual_seed(cfg.seed + 1)
+        unet = UNet2DConditionModel(**UNET_CONFIG)
+        torch.manual_seed(cfg.seed + 2)
+        return {"unet": unet, "text_encoder": CLIPTextModel(CLIPTextConfig(vocab_size=49408, **TEXT_CONFIG))}
+
+    def predict(modules: Modules, ids, noisy, t, g) -> torch.Tensor:
+        hidden = modules["text_encoder"](ids)[0]
+        return modules["unet"](noisy, t, hidden).sample
+
+    modules, losses = fit_generator(
+        cfg, work, latents, captions, make, predict, warmup=200, desc="3/4 text encoder + UNet"
+    )
+    return modules["text_encoder"], modules["unet"], losses
 
 
 def _judge_batch(cfg: BuildConfig, step: int, vae, size: int, held_out: bool = False):
@@ -374,17 +452,92 @@ def _versions() -> dict[str, str]:
             "transformers": transformers.__version__}  # fmt: skip
 
 
-def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
-    """Run (or resume) every phase and write the finished model into ``cfg.output_dir``.
+@dataclass
+class Built:
+    """What a family's phases made: how to save it, its judge, its entries in the manifest."""
 
-    The folder is complete or absent: the pipeline, judge and manifest are written to a
-    temporary sibling and swapped in for any earlier build (:func:`helpers.core.files.replace_dir_atomic`);
-    the phases' state stays in the sibling ``<output_dir>.build/`` until the build finishes.
-    """
+    save: Callable[[Path], None]  # writes the pipeline and the judge into a folder
+    judge: Judge
+    records: dict[str, Any]  # the manifest's entries after build_seconds (final losses first)
+
+
+def _tail_mean(losses: list[float], n: int) -> float | None:
+    """The mean of the last ``n`` losses (None if the phase took no step)."""
+    return float(np.mean(losses[-n:])) if losses else None
+
+
+def train_sd1(cfg: BuildConfig, work: Path, pixels: torch.Tensor, scenes: list[world.Scene]) -> Built:
+    """The SD v1 build's phases after the scenes: VAE, latents, generator, judge."""
     # imported here: the pipeline classes cost 6.6 s CPU on top of this module (measured with
     # time.process_time); `python -m helpers.toyworld render-sample` and --help import it and need none
     from diffusers import PNDMScheduler, StableDiffusionPipeline
 
+    vae, vae_losses = train_vae(cfg, work, pixels)
+    latents = encode_latents(cfg, work, vae, pixels)
+    vae.register_to_config(scaling_factor=latents[2])
+    tokenizer = build_clip_tokenizer()
+    captions = tokenize_captions(cfg, tokenizer, scenes)
+    text, unet, unet_losses = train_generator(cfg, work, latents, captions)
+    judge, judge_scores = train_judge(cfg, work, vae)
+
+    def save(folder: Path) -> None:
+        pipe = StableDiffusionPipeline(
+            vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet,
+            scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )  # fmt: skip
+        pipe.save_pretrained(folder, safe_serialization=True)
+        save_judge(judge, folder / JUDGE_DIR)
+
+    final = {"vae": _tail_mean(vae_losses, 50), "text_encoder_unet": _tail_mean(unet_losses, 200),
+             "judge": judge_scores.pop("final_loss")}  # fmt: skip
+    return Built(save, judge, {"final_losses": final, "judge_held_out_accuracy": judge_scores})
+
+
+def train_sdxl(
+    cfg: XLBuildConfig, work: Path, pixels: torch.Tensor, scenes: list[world.Scene], base: Path
+) -> Built:
+    """The SDXL build's phases after the scenes: latents (the base's VAE), the grafted generator."""
+    from transformers import CLIPTokenizer  # at call time: see train_sd1
+
+    vae = load_frozen_vae(base)
+    mean, std, _ = encode_latents(cfg, work, vae, pixels, desc="1/2 latents")
+    latents = (mean, std, vae.config.scaling_factor)  # the base's, which its pipeline decodes with
+    tokenizer = CLIPTokenizer.from_pretrained(base, subfolder="tokenizer")
+    captions = tokenize_captions(cfg, tokenizer, scenes)
+    fit: dict[str, Any] = {}
+
+    def make() -> Modules:
+        modules, fit_record = graft.graft(base, tokenizer, cfg.seed)
+        fit.update(fit_record)
+        return modules
+
+    modules, losses = fit_generator(cfg, work, latents, captions, make, graft.predict, warmup=graft.WARMUP_STEPS,
+                                    desc="2/2 text encoders + UNet (SDXL)")  # fmt: skip
+    records = {
+        "final_losses": {"text_encoders_unet": _tail_mean(losses, 200)},
+        "graft": {
+            "base_model": cfg.base_model,
+            "base_manifest_sha256": _sha256(base / MANIFEST),
+            **fit,
+            "loss_first_50_steps": float(np.mean(losses[:50])) if losses else None,
+        },
+    }
+    return Built(lambda folder: graft.save_pipeline(base, modules, folder), load_judge(base), records)
+
+
+def build(cfg: BuildConfig | XLBuildConfig, argv: list[str] | None = None) -> Path:
+    """Run (or resume) every phase of ``cfg``'s family and write the finished model into ``cfg.output_dir``.
+
+    The folder is complete or absent: the pipeline, judge and manifest are written to a
+    temporary sibling and swapped in for any earlier build (:func:`helpers.core.files.replace_dir_atomic`);
+    the phases' state stays in the sibling ``<output_dir>.build/`` until the build finishes.
+
+    Raises:
+        InputError: an SDXL build's base model is not an SD v1 toy world with a judge, or the
+            build folder holds an interrupted build with other settings (before any work).
+    """
+    base = graft.check_base(cfg.base_model) if cfg.family == "sdxl" else None
     out = Path(cfg.output_dir)
     work = Path(f"{out}.build")
     work.mkdir(parents=True, exist_ok=True)
@@ -398,26 +551,19 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
     write_text_atomic(saved, json.dumps(settings, indent=1))
     cpu.set_threads()  # OMP_NUM_THREADS if set (a shared machine), else the physical cores
     pixels, scenes = render_scenes(cfg, work)
-    vae, vae_losses = train_vae(cfg, work, pixels)
-    latents = encode_latents(cfg, work, vae, pixels)
-    vae.register_to_config(scaling_factor=latents[2])
-    tokenizer = build_clip_tokenizer()
-    captions = tokenize_captions(cfg, tokenizer, scenes)
-    text, unet, unet_losses = train_generator(cfg, work, latents, captions)
-    judge, judge_scores = train_judge(cfg, work, vae)
-    phase_seconds = {name: round(_Phase(work, name).load().get("seconds", 0.0), 1) for name in PHASES}
+    if base is None:
+        built = train_sd1(cfg, work, pixels, scenes)
+    else:
+        built = train_sdxl(cfg, work, pixels, scenes, base)
+    phase_seconds = {
+        name: round((_Phase(work, name).load() or {}).get("seconds", 0.0), 1) for name in cfg.phases
+    }
 
     finishing = time.perf_counter()  # saving and evaluating: not part of any phase
 
     def fill(folder: Path) -> None:
-        pipe = StableDiffusionPipeline(
-            vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet,
-            scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-        )  # fmt: skip
-        pipe.save_pretrained(folder, safe_serialization=True)
-        save_judge(judge, folder / JUDGE_DIR)
-        scores = evaluate(folder, judge, num_images=cfg.eval_images, seed=cfg.seed)
+        built.save(folder)
+        scores = evaluate(folder, built.judge, num_images=cfg.eval_images, seed=cfg.seed)
         manifest = {
             "command": "python -m helpers.toyworld build " + shlex.join(argv or []),
             "settings": settings,
@@ -425,12 +571,7 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
             "machine": f"{cpu.report().model_name}, {os.cpu_count()} cores",
             "phase_seconds": phase_seconds,  # summed over every run that worked on the phase
             "build_seconds": round(sum(phase_seconds.values()) + time.perf_counter() - finishing, 1),
-            "final_losses": {
-                "vae": float(np.mean(vae_losses[-50:])),
-                "text_encoder_unet": float(np.mean(unet_losses[-200:])),
-                "judge": judge_scores.pop("final_loss"),
-            },
-            "judge_held_out_accuracy": judge_scores,
+            **built.records,
             "generator_scores": scores,
             "files": file_hashes(folder),
         }
@@ -441,14 +582,40 @@ def build(cfg: BuildConfig, argv: list[str] | None = None) -> Path:
     return out
 
 
-def config_from_args(args) -> BuildConfig:
-    return BuildConfig(**{f.name: getattr(args, f.name) for f in fields(BuildConfig)})
+def config_from_args(args) -> BuildConfig | XLBuildConfig:
+    """The configuration of ``--family`` from the flags given (the family's defaults for the others).
+
+    Raises:
+        InputError: a flag of the other family only (``--vae_steps`` with ``--family sdxl``).
+    """
+    cls = CONFIGS[args.family]
+    own = {f.name for f in fields(cls)}
+    for name in _flags():
+        if getattr(args, name) is not None and name not in own:
+            other = next(family for family, c in CONFIGS.items() if name in {f.name for f in fields(c)})
+            raise InputError(
+                f"--{name}: the {args.family} build has no such setting (only the {other} build has). "
+                f"Fix: leave it out, or build with --family {other}."
+            )
+    return cls(**{name: getattr(args, name) for name in own if getattr(args, name) is not None})
+
+
+def _flags() -> dict[str, type]:
+    """Every build setting of any family, by flag name, with its type."""
+    return {f.name: type(f.default) for cls in CONFIGS.values() for f in fields(cls)}
 
 
 def add_arguments(parser) -> None:
-    """The build's flags (one per :class:`BuildConfig` field, same name)."""
-    for f in fields(BuildConfig):
-        parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default)
+    """The build's flags: ``--family``, then one per setting of :class:`BuildConfig` and :class:`XLBuildConfig`."""
+    parser.add_argument("--family", choices=tuple(CONFIGS), default="sd1",
+                        help="sd1: toyworld (StableDiffusionPipeline); sdxl: toyworld-xl, grafted from --base_model")  # fmt: skip
+    for name, kind in _flags().items():
+        defaults = ", ".join(
+            f"{family} {getattr(cls, name)}"
+            for family, cls in CONFIGS.items()
+            if name in {f.name for f in fields(cls)}
+        )
+        parser.add_argument(f"--{name}", type=kind, default=None, help=f"default: {defaults}")
 
 
 def read_manifest(model_dir: str | os.PathLike) -> dict[str, Any]:

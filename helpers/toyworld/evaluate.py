@@ -21,7 +21,13 @@ import safetensors.torch
 
 from helpers.core.errors import InputError
 from helpers.core.files import write_file_atomic
-from helpers.inference import generate, load_pytorch_pipeline, read_learned_embeds, save_images
+from helpers.inference import (
+    generate,
+    learned_embeds_files,
+    load_pytorch_pipeline,
+    read_learned_embeds,
+    save_images,
+)
 from helpers.toyworld import world
 from helpers.toyworld.judge import HEADS, JUDGE_DIR, Judge, judge_images, load_judge
 from helpers.training import models
@@ -157,21 +163,30 @@ def initial_embeds(
 ) -> Path:
     """Write the embedding a run starts from (the initializer word's row, under the placeholder).
 
-    Scoring it shows what the model draws for the new word *before* training.
+    Scoring it shows what the model draws for the new word *before* training. For an SDXL model
+    (``"toyworld-xl"``) each text encoder's row is written, the second encoder's beside ``path``
+    under the name inference looks for (``initial.safetensors`` -> ``initial_2.safetensors``).
+
+    Returns:
+        ``path``, the first encoder's file.
     """
-    # imported here: these two lines (transformers' CLIP, diffusers and accelerate) cost 6.0 s CPU on
+    # imported here: these lines (transformers' CLIP, diffusers and accelerate) cost 6.0 s CPU on
     # top of helpers.toyworld (measured with time.process_time), which every importer of the package
     # would pay, `python -m helpers.toyworld render-sample|--help` included
-    from transformers import CLIPTextModel, CLIPTokenizer
-
+    from helpers.training.families import family_of, load_text_encoders, load_tokenizers
     from helpers.training.textual_inversion import check_tokens
 
     model_dir = models.resolve_model(model)
-    tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
-    init_id = check_tokens(tokenizer, placeholder_token, initializer_token, 1)
-    table = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder").get_input_embeddings().weight
-    row = table[init_id][None].detach().clone().contiguous()
-    return write_file_atomic(path, lambda fh: fh.write(safetensors.torch.save({placeholder_token: row})))
+    family = family_of(model_dir)
+    files = learned_embeds_files(path, family, f"model {os.fspath(model)!r}")
+    tokenizers, encoders = load_tokenizers(model_dir, family), load_text_encoders(model_dir, family)
+    for file, tokenizer, encoder in zip(files, tokenizers, encoders, strict=True):
+        init_id = check_tokens(tokenizer, placeholder_token, initializer_token, 1)
+        row = encoder.get_input_embeddings().weight[init_id][None].detach().clone().contiguous()
+        write_file_atomic(
+            file, lambda fh, row=row: fh.write(safetensors.torch.save({placeholder_token: row}))
+        )
+    return Path(path)
 
 
 def score(

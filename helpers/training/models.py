@@ -1,8 +1,9 @@
-"""Model sources: a Hub id, a local diffusers folder, or the offline ``"toyworld"``, ``"tiny"`` and ``"tiny-xl"`` pipelines.
+"""Model sources: a Hub id, a local diffusers folder, or the offline ``"toyworld"``, ``"toyworld-xl"``, ``"tiny"`` and ``"tiny-xl"`` pipelines.
 
 ``"toyworld"`` is a tiny Stable Diffusion v1 pipeline *trained* on a procedural world of toys
 (:mod:`helpers.toyworld`), shipped inside the package: offline, Textual Inversion visibly learns
-the bundled concept on it. ``"tiny"`` is a random-weight Stable Diffusion v1 pipeline (same block structure: a VAE that
+the bundled concept on it. ``"toyworld-xl"`` is its Stable Diffusion XL twin, grafted from it and
+shipped beside it. ``"tiny"`` is a random-weight Stable Diffusion v1 pipeline (same block structure: a VAE that
 downsamples 8x, a UNet with three cross-attention levels, a CLIP text encoder) at tiny widths,
 with the real CLIP BPE vocabulary. It builds offline in seconds, deterministically, and is the
 embedded default for the demo and every test. ``"tiny-xl"`` is its Stable Diffusion XL
@@ -39,8 +40,12 @@ TINY = "tiny"
 TINY_RESOLUTION = 64
 TOYWORLD = "toyworld"
 TOYWORLD_DIR = Path(__file__).parent.parent / "assets" / "toyworld"
+TOYWORLD_XL = "toyworld-xl"
+TOYWORLD_XL_DIR = Path(__file__).parent.parent / "assets" / "toyworld-xl"
+SHIPPED_MODELS = {TOYWORLD: (TOYWORLD_DIR, ""), TOYWORLD_XL: (TOYWORLD_XL_DIR, "--family sdxl ")}
+"""The models inside the package: their folder and the build's flags that remake it."""
 TINY_XL = models_xl.TINY_XL
-OFFLINE_MODELS = (TOYWORLD, TINY, TINY_XL)
+OFFLINE_MODELS = (TOYWORLD, TOYWORLD_XL, TINY, TINY_XL)
 CLIP_VOCAB_FILE = Path(__file__).parent.parent / "assets" / "clip_vocab" / "bpe_simple_vocab_16e6.txt.gz"
 # Files of a diffusers Stable Diffusion repo that training and inference need (skips EMA/fp16/ckpt copies).
 HUB_ALLOW_PATTERNS = [
@@ -178,13 +183,13 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
-    """Turn ``"toyworld"``, ``"tiny"``, ``"tiny-xl"``, a local diffusers folder or a Hub id into a local folder.
+    """Turn ``"toyworld"``, ``"toyworld-xl"``, ``"tiny"``, ``"tiny-xl"``, a local diffusers folder or a Hub id into a local folder.
 
     Every model load starts here, so this is also where the load-time progress bars of diffusers
     and transformers are turned off (:func:`helpers.core.quiet.quiet_model_loading`), once the model is found.
 
     Args:
-        name_or_path: ``"toyworld"`` (shipped), ``"tiny"`` or ``"tiny-xl"`` (built on first use), a folder with
+        name_or_path: ``"toyworld"`` or ``"toyworld-xl"`` (shipped), ``"tiny"`` or ``"tiny-xl"`` (built on first use), a folder with
             ``model_index.json``, or a Hub repo id.
         revision: Hub revision (branch, tag or commit); ignored for local folders.
 
@@ -206,13 +211,14 @@ def _locate_model(name: str, revision: str | None) -> Path:
         return tiny_pipeline_dir()
     if name == TINY_XL:
         return tiny_xl_pipeline_dir()
-    if name == TOYWORLD:
-        if not (TOYWORLD_DIR / "model_index.json").is_file():  # pragma: no cover - a broken install
+    if name in SHIPPED_MODELS:
+        folder, flags = SHIPPED_MODELS[name]
+        if not (folder / "model_index.json").is_file():  # pragma: no cover - a broken install
             raise FileNotFoundError(
-                f"the toy-world model is missing from {TOYWORLD_DIR}. Fix: reinstall the package, or rebuild "
-                f"it with `python -m helpers.toyworld build --output_dir {TOYWORLD_DIR}`."
+                f"the {name} model is missing from {folder}. Fix: reinstall the package, or rebuild "
+                f"it with `python -m helpers.toyworld build {flags}--output_dir {folder}`."
             )
-        return TOYWORLD_DIR
+        return folder
     path = Path(name).expanduser()
     if classify_source(name) in ("folder", "missing_path"):
         if not (path / "model_index.json").is_file():
