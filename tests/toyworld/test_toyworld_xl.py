@@ -1,8 +1,7 @@
 """toyworld-xl: the SDXL toy world grafted from toyworld (helpers.toyworld.graft), its build and the shipped folder.
 
-The acceptance numbers (Pip's score before and after Textual Inversion and DreamBooth-LoRA on
-toyworld-xl) are measured, not asserted here: each run takes minutes (the session's report and
-docs/toyworld.md give them).
+The acceptance numbers (Pip's score after Textual Inversion and DreamBooth-LoRA on toyworld-xl)
+are measured, not asserted here: each run takes minutes (docs/toyworld.md gives them).
 """
 
 from __future__ import annotations
@@ -12,8 +11,10 @@ import time
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
-from helpers.toyworld import build, graft
+from helpers.toyworld import __main__ as toyworld_cli
+from helpers.toyworld import build, evaluate, graft
 from helpers.training import models
 
 # a few steps of the build: 24 scenes, two fine-tune steps of batch 2, then a checkpoint
@@ -32,7 +33,8 @@ def reused_files() -> dict[str, str]:
 
 
 def stub_evaluate(calls):
-    """The build's evaluation (64 pictures of 20 steps: a minute here), recorded instead of run."""
+    """The build's evaluation (17 pictures of 20 steps here), recorded instead of run: the shipped
+    model's manifest holds the scores of a real one."""
 
     def evaluate(folder, judge, num_images, seed):
         calls.append(((folder / "model_index.json").is_file(), type(judge).__name__, num_images, seed))
@@ -155,3 +157,33 @@ def test_shipped_toyworld_xl_is_a_stock_sdxl_pipeline():
         assert tokenizer("a photo of a toy").input_ids == [49406, 320, 1125, 539, 320, 5988, 49407]
     image = pipe("a photo of a red duck", num_inference_steps=2, output_type="np").images
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+
+
+def test_score_reads_an_sdxl_concept_folder_and_the_new_word_starts_as_no_pip(tmp_path, capsys):
+    """``initial_embeds`` writes the rows an SDXL run starts from (each encoder's "toy" row, under
+    diffusers' two names); ``score --model toyworld-xl --learned_embeds DIR`` reads that folder and
+    prints one JSON line: 8 pictures, none of them Pip (score < 0.05; measured 0.0008)."""
+    from helpers.training.families import FAMILIES, load_text_encoders
+
+    run = tmp_path / "run"
+    evaluate.initial_embeds("toyworld-xl", "<pip>", "toy", run / "learned_embeds.safetensors")
+    assert sorted(p.name for p in run.iterdir()) == [
+        "learned_embeds.safetensors",
+        "learned_embeds_2.safetensors",
+    ]
+    encoders = load_text_encoders(models.TOYWORLD_XL_DIR, FAMILIES["sdxl"])
+    for name, encoder in zip(
+        ("learned_embeds.safetensors", "learned_embeds_2.safetensors"), encoders, strict=True
+    ):
+        rows = load_file(run / name)
+        assert list(rows) == ["<pip>"] and torch.equal(
+            rows["<pip>"], encoder.get_input_embeddings().weight[5988][None]
+        )
+
+    argv = ["score", "--model", "toyworld-xl", "--prompt", "a photo of <pip>", "--learned_embeds", str(run),
+            "--num_images", "8", "--output_dir", str(tmp_path / "pictures")]  # fmt: skip
+    assert toyworld_cli.cli(argv) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(line)
+    assert len(result["pip_probabilities"]) == 8 and "pip" not in result["objects"]
+    assert result["concept_score"] < 0.05
