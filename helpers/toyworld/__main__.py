@@ -18,9 +18,46 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
 from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.toyworld import build, evaluate, world
+
+
+def config_from_args(args: argparse.Namespace) -> build.BuildConfig | build.XLBuildConfig:
+    """The configuration of ``--family`` from the flags given (the family's defaults for the others).
+
+    Raises:
+        InputError: a flag of the other family only (``--vae_steps`` with ``--family sdxl``).
+    """
+    cls = build.CONFIGS[args.family]
+    own = {f.name for f in fields(cls)}
+    for name in _flags():
+        if getattr(args, name) is not None and name not in own:
+            other = next(family for family, c in build.CONFIGS.items() if name in {f.name for f in fields(c)})
+            raise InputError(
+                f"--{name}: the {args.family} build has no such setting (only the {other} build has). "
+                f"Fix: leave it out, or build with --family {other}."
+            )
+    return cls(**{name: getattr(args, name) for name in own if getattr(args, name) is not None})
+
+
+def _flags() -> dict[str, type]:
+    """Every build setting of any family, by flag name, with its type."""
+    return {f.name: type(f.default) for cls in build.CONFIGS.values() for f in fields(cls)}
+
+
+def add_build_arguments(parser: argparse.ArgumentParser) -> None:
+    """The build's flags: ``--family``, then one per setting of :class:`build.BuildConfig` and :class:`build.XLBuildConfig`."""
+    parser.add_argument("--family", choices=tuple(build.CONFIGS), default="sd1",
+                        help="sd1: toyworld (StableDiffusionPipeline); sdxl: toyworld-xl, grafted from --base_model")  # fmt: skip
+    for name, kind in _flags().items():
+        defaults = ", ".join(
+            f"{family} {getattr(cls, name)}"
+            for family, cls in build.CONFIGS.items()
+            if name in {f.name for f in fields(cls)}
+        )
+        parser.add_argument(f"--{name}", type=kind, default=None, help=f"default: {defaults}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -29,7 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     b = sub.add_parser(
         "build", help="train the toy-world pipeline and judge, or graft its SDXL twin (resumable)"
     )
-    build.add_arguments(b)
+    add_build_arguments(b)
     s = sub.add_parser("score", help="generate pictures and print Pip's mean probability as JSON")
     s.add_argument(
         "--model", default="toyworld", help='"toyworld", "toyworld-xl" or a folder built by `build`'
@@ -63,7 +100,7 @@ def check_score_args(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     """Build (prints the model folder) or score (prints one JSON line)."""
     if args.command == "build":
-        print(build.build(build.config_from_args(args), sys.argv[2:]))
+        print(build.build(config_from_args(args), sys.argv[2:]))
         return 0
     if args.command == "render-sample":
         print(*world.render_pip_pictures(args.dest), sep="\n")

@@ -42,7 +42,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -427,11 +427,8 @@ def train_judge(cfg: BuildConfig, work: Path, vae) -> tuple[Judge, dict[str, flo
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def file_hashes(folder: str | os.PathLike) -> dict[str, str]:
@@ -580,42 +577,6 @@ def build(cfg: BuildConfig | XLBuildConfig, argv: list[str] | None = None) -> Pa
     replace_dir_atomic(out, fill)  # the model appears complete or not at all
     shutil.rmtree(work)
     return out
-
-
-def config_from_args(args) -> BuildConfig | XLBuildConfig:
-    """The configuration of ``--family`` from the flags given (the family's defaults for the others).
-
-    Raises:
-        InputError: a flag of the other family only (``--vae_steps`` with ``--family sdxl``).
-    """
-    cls = CONFIGS[args.family]
-    own = {f.name for f in fields(cls)}
-    for name in _flags():
-        if getattr(args, name) is not None and name not in own:
-            other = next(family for family, c in CONFIGS.items() if name in {f.name for f in fields(c)})
-            raise InputError(
-                f"--{name}: the {args.family} build has no such setting (only the {other} build has). "
-                f"Fix: leave it out, or build with --family {other}."
-            )
-    return cls(**{name: getattr(args, name) for name in own if getattr(args, name) is not None})
-
-
-def _flags() -> dict[str, type]:
-    """Every build setting of any family, by flag name, with its type."""
-    return {f.name: type(f.default) for cls in CONFIGS.values() for f in fields(cls)}
-
-
-def add_arguments(parser) -> None:
-    """The build's flags: ``--family``, then one per setting of :class:`BuildConfig` and :class:`XLBuildConfig`."""
-    parser.add_argument("--family", choices=tuple(CONFIGS), default="sd1",
-                        help="sd1: toyworld (StableDiffusionPipeline); sdxl: toyworld-xl, grafted from --base_model")  # fmt: skip
-    for name, kind in _flags().items():
-        defaults = ", ".join(
-            f"{family} {getattr(cls, name)}"
-            for family, cls in CONFIGS.items()
-            if name in {f.name for f in fields(cls)}
-        )
-        parser.add_argument(f"--{name}", type=kind, default=None, help=f"default: {defaults}")
 
 
 def read_manifest(model_dir: str | os.PathLike) -> dict[str, Any]:
