@@ -15,11 +15,10 @@ if __name__ == "__main__":
 
 import logging
 
-from helpers.core.errors import exit_with, run_training_cli
+from helpers.core.errors import exit_with
 from helpers.ranks import faults, status
 from helpers.training.config import TrainConfig, parse_args
-from helpers.training.engine.checkpoints import INTERRUPTED_EXIT, interrupted_line
-from helpers.training.models import HubUnavailableError
+from helpers.training.engine.command import run_command
 from helpers.training.textual_inversion import TrainResult, train
 
 __all__ = ["cli", "main", "parse_args"]
@@ -35,17 +34,7 @@ def main(args: TrainConfig) -> TrainResult:
 
 def cli(argv: list[str] | None = None) -> int:
     """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.core.errors.run_training_cli`."""
-    # status.start: under helpers.launch, this rank's lock and status until the process is gone
-    return run_training_cli(
-        main,
-        parse_args,
-        argv,
-        status.start,
-        lambda config: interrupted_line(config.output_dir),  # resume, or start over (no checkpoint)
-        INTERRUPTED_EXIT,
-        also=(HubUnavailableError,),
-        done=status.done,
-    )
+    return run_command(main, parse_args, argv)
 
 
 if __name__ == "__main__":

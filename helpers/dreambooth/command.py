@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from helpers.core.errors import run_training_cli
 from helpers.dreambooth.config import DreamBoothConfig, parse_args
-from helpers.ranks import status
-from helpers.training.engine.checkpoints import INTERRUPTED_EXIT, interrupted_line
-from helpers.training.models import HubUnavailableError
+from helpers.training.engine.command import run_command
 
 __all__ = ["cli", "main", "parse_args"]
 
@@ -32,14 +29,4 @@ def main(config: DreamBoothConfig) -> int:
 def cli(argv: list[str] | None = None) -> int:
     """Parse, train, and turn input problems into one clear line and exit code 2: see
     :func:`helpers.core.errors.run_training_cli`."""
-    # status.start: under helpers.launch, this rank's lock and status until the process is gone
-    return run_training_cli(
-        main,
-        parse_args,
-        argv,
-        status.start,
-        lambda config: interrupted_line(config.output_dir),  # resume, or start over (no checkpoint)
-        INTERRUPTED_EXIT,
-        also=(HubUnavailableError,),
-        done=status.done,
-    )
+    return run_command(main, parse_args, argv)
