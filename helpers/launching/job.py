@@ -208,7 +208,7 @@ class _Job:
     killed: bool = False
     stopped_at: float = math.inf
     failed_at: float | None = None  # when a rank exited without succeeding or a command exited non-zero
-    failed_rank: int | None = None  # the first rank known to have failed (its status report)
+    failed_ranks: list[int] = field(default_factory=list)  # those first known to have failed (status reports)
 
     def stop(self) -> None:
         """Stop every process here and every rank still alive (on other hosts over ssh)."""
@@ -259,9 +259,9 @@ def _reason_to_stop(
     out = job.out
     if job.watcher is not None:
         job.watcher.poll(now)
-        failed = job.watcher.failures()
-        if failed and job.failed_rank is None:
-            job.failed_rank, job.failed_at = failed[0], job.failed_at or now
+        if not job.failed_ranks:
+            job.failed_ranks = job.watcher.first_failed()
+            job.failed_at = job.failed_at or (now if job.failed_ranks else None)
         job.verdict = job.watcher.verdict(
             now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in job.procs)
         )
@@ -271,7 +271,7 @@ def _reason_to_stop(
         out.failure_seen_at = out.failure_seen_at or job.failed_at
         out.quiet = True
         if _anything_alive(job):  # a failed job does not wait: its other ranks would only hang
-            who = f"rank {job.failed_rank}" if job.failed_rank is not None else "a command"
+            who = f"rank {' or '.join(map(str, job.failed_ranks))}" if job.failed_ranks else "a command"
             return f"{who} failed"
         return None
     errored = out.failure_seen_at is not None and now - out.failure_seen_at > FAILURE_GRACE_SECONDS
@@ -306,7 +306,7 @@ def _job_result(job: _Job) -> JobResult:
     failed_before_stop = out.failure_seen_at is not None and out.failure_seen_at < job.stopped_at
     if result.returncode and (not verdict or failed_before_stop):  # not the errors of ranks it stopped
         result.failed_rank, result.error = diagnose(
-            out.errors, out.first_traceback, "\n".join(out.launcher_lines), rank=job.failed_rank
+            out.errors, out.first_traceback, "\n".join(out.launcher_lines), ranks=job.failed_ranks
         )
     return result
 

@@ -13,6 +13,7 @@ import re
 import signal
 import time
 from collections import deque
+from collections.abc import Collection
 from typing import TextIO
 
 from helpers.launching.commands import LaunchCommand
@@ -112,7 +113,10 @@ def _stopped_by_us(reason: str) -> bool:
 
 
 def diagnose(
-    errors: dict[int, list[str]], first_seen: dict[int, float], launcher_text: str, rank: int | None = None
+    errors: dict[int, list[str]],
+    first_seen: dict[int, float],
+    launcher_text: str,
+    ranks: Collection[int] = (),
 ) -> tuple[int | None, str]:
     """Pick the rank that failed first and its root error.
 
@@ -123,25 +127,28 @@ def diagnose(
     Args:
         errors, first_seen: :class:`Output`'s exception lines and first traceback times per rank.
         launcher_text: the launchers' own lines.
-        rank: the rank known to have failed first (its status report), if one is: its own error,
-            else its launcher's report of it, else :data:`SILENT_END`.
+        ranks: the ranks first known to have failed (their status reports; one poll may find
+            several), if any are: the one among them with a root error, else one its launcher
+            reports (not the TERM of our own stop), else one that printed nothing
+            (:data:`SILENT_END`), else the first with a peer's error.
     """
     candidates = []
     for r, lines in errors.items():
         own = [ln for ln in lines if not any(w in ln for w in _WRAPPERS)]
         error = (own or lines)[0]
         candidates.append((bool(SECONDARY.search(error)), first_seen.get(r, math.inf), r, _shorten(error)))
-    if rank is not None:
-        candidates = [c for c in candidates if c[2] == rank]
+    if ranks:
+        candidates = [c for c in candidates if c[2] in ranks]
     best = min(candidates) if candidates else None
     if best and not best[0]:
         return best[2], best[3]
     for pattern in _LAUNCHER_REPORTS:  # a rank killed outright prints nothing: its launcher knows
         for m in pattern.finditer(launcher_text):
-            if rank is None or (int(m["rank"]) == rank and not _stopped_by_us(m["reason"])):
+            if not ranks or (int(m["rank"]) in ranks and not _stopped_by_us(m["reason"])):
                 return int(m["rank"]), _launcher_words(m["reason"])
-    if rank is not None:
-        return rank, best[3] if best else SILENT_END
+    if ranks:
+        silent = [r for r in ranks if r not in errors]
+        return (silent[0], SILENT_END) if silent else (best[2], best[3])
     return (best[2], best[3]) if best else (None, "")
 
 

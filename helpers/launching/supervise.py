@@ -169,6 +169,17 @@ class Watcher:
         """The ranks that exited without succeeding, in the order they exited."""
         return [r for _, r in sorted((s.exited_at, r) for r, s in self.ranks.items() if s.failed)]
 
+    def first_failed(self) -> list[int]:
+        """The ranks first found to have failed: every one that the same poll found exited. Which of
+        them ended first is unknown (a rank that raises takes its peers down within milliseconds);
+        :func:`helpers.launching.rank_output.diagnose` tells the root cause from the peers' errors."""
+        failed = self.failures()
+        return (
+            [r for r in failed if self.ranks[r].exited_at == self.ranks[failed[0]].exited_at]
+            if failed
+            else []
+        )
+
     def first_exit(self) -> tuple[int, float] | None:
         """The rank that exited first and when, if any did."""
         done = [(s.exited_at, r) for r, s in self.ranks.items() if s.exited_at is not None]

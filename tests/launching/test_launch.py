@@ -149,18 +149,25 @@ def test_diagnose_falls_back_to_the_launchers_summary():
     )  # fmt: skip
     # the rank whose status says it failed first (rank 0 was stopped after it): its own report,
     # unless that is the TERM helpers.launch sent its wrapper after it died
-    assert rank_output.diagnose({}, {}, hydra.replace("9 (Killed)", "15 (Terminated)"), rank=1) == (
+    assert rank_output.diagnose({}, {}, hydra.replace("9 (Killed)", "15 (Terminated)"), ranks=[1]) == (
         1, rank_output.SILENT_END
     )  # fmt: skip
-    assert rank_output.diagnose({}, {}, hydra, rank=1) == (
+    assert rank_output.diagnose({}, {}, hydra, ranks=[1]) == (
         1, "killed by SIGKILL, for example by the out-of-memory killer (the launcher reports KILLED BY SIGNAL: 9 (Killed))"
     )  # fmt: skip
 
 
 def test_diagnose_of_a_rank_known_to_have_failed_takes_its_own_error_or_says_it_ended_silently():
     errors = {0: ["RuntimeError: Connection closed by peer"], 1: ["ValueError: bad"]}
-    assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "", rank=1) == (1, "ValueError: bad")
-    assert rank_output.diagnose({0: errors[0]}, {0: 1.0}, "", rank=1) == (1, rank_output.SILENT_END)
+    assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "", ranks=[1]) == (1, "ValueError: bad")
+    assert rank_output.diagnose({0: errors[0]}, {0: 1.0}, "", ranks=[1]) == (1, rank_output.SILENT_END)
+    # one poll found both ranks exited (CI: rank 1 raised, rank 0's all-reduce failed at once): the
+    # root cause wins over the peer's error, even one printed earlier; then the rank killed silently
+    assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "", ranks=[0, 1]) == (1, "ValueError: bad")
+    assert rank_output.diagnose({0: errors[0]}, {0: 1.0}, "", ranks=[0, 1]) == (1, rank_output.SILENT_END)
+    assert rank_output.diagnose({0: errors[0], 1: errors[0]}, {0: 2.0, 1: 1.0}, "", ranks=[0, 1]) == (
+        1, "RuntimeError: Connection closed by peer"
+    )  # fmt: skip
     assert rank_output.SILENT_END == (
         "it ended without an error message, as a process killed outright does (SIGKILL, for example by "
         "the out-of-memory killer)"

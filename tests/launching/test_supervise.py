@@ -79,7 +79,7 @@ def test_a_rank_that_exits_without_reporting_done_is_a_failure_one_that_reported
             ranks[rank].kill()
             ranks[rank].wait()
             watcher.poll(now=10.0 + rank)
-        assert watcher.running() == [] and watcher.failures() == [1]
+        assert watcher.running() == [] and watcher.failures() == watcher.first_failed() == [1]
         assert (watcher.ranks[0].failed, watcher.ranks[1].failed) == (False, True)
     finally:
         for p in ranks.values():
@@ -100,3 +100,25 @@ def test_outputs_complete_only_when_the_summary_was_written_by_this_run(tmp_path
     )
     assert supervise.outputs(str(tmp_path), time.time() + 60)[0] is False  # an earlier run's
     assert supervise.outputs(None, 0.0) == (None, "Outputs unknown: no output_dir known to helpers.launch.")
+
+
+def test_ranks_one_poll_finds_failed_together_are_all_first(tmp_path):
+    """Which of two ranks that died between two polls ended first is unknown: both are named, and
+    the launcher's diagnosis picks the root cause among them, not the lower rank number."""
+    folder = supervise.prepare(tmp_path / "status")
+    ranks = {r: start_rank(folder, r, "training") for r in (0, 1, 2)}
+    try:
+        watcher = supervise.Watcher(folder)
+        watcher.poll(now=1.0)
+        for rank in (2, 1):
+            ranks[rank].kill()
+            ranks[rank].wait()
+        watcher.poll(now=2.0)
+        ranks[0].kill()
+        ranks[0].wait()
+        watcher.poll(now=3.0)
+        assert (watcher.failures(), watcher.first_failed()) == ([1, 2, 0], [1, 2])
+    finally:
+        for p in ranks.values():
+            p.kill()
+            p.wait()
