@@ -117,6 +117,7 @@ def test_a_notebook_names_its_own_parameters_and_their_offline_values(monkeypatc
         ("03_accelerate_config", ("hostfile",)),
         ("05_openvino_inference", ("base_model",)),
         ("06_dreambooth_lora", ("concept", "pretrained_model_name_or_path")),
+        ("07_sdxl", ("concept", "pretrained_model_name_or_path")),
     ],
 )
 def test_unedited_notebook_offline_stops_at_once_naming_its_parameters(stem, names, tmp_path, monkeypatch):

@@ -67,11 +67,17 @@ CHROMIUM_FLAGS = (
 # The offline profile with a tenth of its training: this test looks at what JupyterLab shows (every
 # cell, bar, picture and record drawn), which does not change with the number of steps; whether the
 # steps teach the toy world Pip is the papermill tests' check (tests/workshop/test_notebooks.py), on
-# the full profile. The cut keeps CI's run of all six notebooks twice inside its time limit.
+# the full profile. The cut keeps CI's run of all seven notebooks twice inside its time limit.
 LAB_STEPS = {
     "02_single_node_finetune": {"max_train_steps": 20, "num_compare_images": 2},
     "04_multi_node_mpirun": {"max_train_steps": 20, "num_compare_images": 2},
     "06_dreambooth_lora": {"max_train_steps": 50, "num_class_images": 4, "num_compare_images": 2},
+    "07_sdxl": {
+        "ti_max_train_steps": 20,
+        "lora_max_train_steps": 50,
+        "num_class_images": 4,
+        "num_compare_images": 2,
+    },
 }
 
 # Settings an attendee's JupyterLab would not differ in, except: every cell attached to the DOM
