@@ -71,6 +71,7 @@ CHROMIUM_FLAGS = (
 LAB_STEPS = {
     "02_single_node_finetune": {"max_train_steps": 20, "num_compare_images": 2},
     "04_multi_node_mpirun": {"max_train_steps": 20, "num_compare_images": 2},
+    "05_openvino_inference": {"timing_repeats": 1, "calibration_samples": 10},  # one timed run, one picture
     "06_dreambooth_lora": {"max_train_steps": 50, "num_class_images": 4, "num_compare_images": 2},
     "07_sdxl": {
         "ti_max_train_steps": 20,

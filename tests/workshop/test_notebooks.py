@@ -274,8 +274,8 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     """Both methods on toyworld-xl, the toy world's SDXL twin, as notebooks 02 and 06 run them.
 
     Measured (8 pictures, fixed seeds, fp32): Textual Inversion with two vectors per encoder 0.0008
-    before, 0.99 after; DreamBooth-LoRA ("a photo of sks") 0.001 before, 0.75 after, the class
-    prompt's pictures 8 of 8 not Pip before and after.
+    before, 0.99 after; DreamBooth-LoRA ("a photo of sks", 300 steps) 0.001 before, 0.84 after, the
+    class prompt's pictures 8 of 8 not Pip before and after.
     """
     from safetensors.torch import load_file
 
@@ -283,7 +283,7 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     executed = notebook_run_dir / "07_sdxl.ipynb"
     assert [live_curve(executed, i)[-1].split(":")[0] for i in (0, 1)] == [
         "loss after step 200 of 200",
-        "loss after step 500 of 500",
+        "loss after step 300 of 300",
     ]
     # what the real SDXL base 1.0 weighs, counted on the meta device (its published UNet size)
     assert r["sdxl_parameters"]["unet"] == 2_567_463_684 and r["sdxl_parameters"]["total"] > 3.4e9
@@ -299,7 +299,7 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     assert r["ti_concept_score_before"] <= 0.2 and r["ti_concept_score_after"] >= 0.7
     assert r["lora_concept_score_before"] <= 0.2 and r["lora_concept_score_after"] >= 0.6
     assert r["class_share_before"] >= 0.75 and r["class_share_after"] >= 0.75
-    assert (r["ti_summary"]["steps"], r["lora_summary"]["steps"]) == (200, 500)
+    assert (r["ti_summary"]["steps"], r["lora_summary"]["steps"]) == (200, 300)
     lora = load_file(r["lora_weights_path"])
     assert {k.split(".")[0] for k in lora} == {"unet", "text_encoder", "text_encoder_2"}
     ti, db = r["comparison"]
