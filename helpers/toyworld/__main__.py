@@ -31,15 +31,20 @@ def config_from_args(args: argparse.Namespace) -> build.BuildConfig | build.XLBu
         InputError: a flag of the other family only (``--vae_steps`` with ``--family sdxl``).
     """
     cls = build.CONFIGS[args.family]
-    own = {f.name for f in fields(cls)}
+    own = _settings(cls)
     for name in _flags():
         if getattr(args, name) is not None and name not in own:
-            other = next(family for family, c in build.CONFIGS.items() if name in {f.name for f in fields(c)})
+            other = next(family for family, c in build.CONFIGS.items() if name in _settings(c))
             raise InputError(
                 f"--{name}: the {args.family} build has no such setting (only the {other} build has). "
                 f"Fix: leave it out, or build with --family {other}."
             )
     return cls(**{name: getattr(args, name) for name in own if getattr(args, name) is not None})
+
+
+def _settings(cls: type) -> set[str]:
+    """The setting names of one family's build configuration."""
+    return {f.name for f in fields(cls)}
 
 
 def _flags() -> dict[str, type]:
@@ -55,7 +60,7 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
         defaults = ", ".join(
             f"{family} {getattr(cls, name)}"
             for family, cls in build.CONFIGS.items()
-            if name in {f.name for f in fields(cls)}
+            if name in _settings(cls)
         )
         parser.add_argument(f"--{name}", type=kind, default=None, help=f"default: {defaults}")
 
