@@ -261,7 +261,8 @@ def _reason_to_stop(
         job.watcher.poll(now)
         if not job.failed_ranks:
             job.failed_ranks = job.watcher.first_failed()
-            job.failed_at = job.failed_at or (now if job.failed_ranks else None)
+            if job.failed_ranks:
+                job.failed_at = job.failed_at or now
         job.verdict = job.watcher.verdict(
             now, exit_grace_seconds, stall_seconds, any(p.poll() is None for p in job.procs)
         )
