@@ -215,9 +215,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                     f"{mode['seconds_per_step']['median']:.2f} | {mode['images_per_second']:.3f} | {rss} | "
                     f"{mode['flops_per_step'] / 1e9:.0f} | {100 * frac:.0f} % |"
                 )
+            rss_ratios = f"{r['rss_ratio']:.2f} / {r['training_rss_ratio']:.2f}" if "rss_ratio" in r else "-"
             out.append(
-                f"| | | | | **ours / reference** | **{r['speedup']:.2f}x faster** | | "
-                f"{r.get('rss_ratio', float('nan')):.2f} / {r.get('training_rss_ratio', float('nan')):.2f} | "
+                f"| | | | | **ours / reference** | **{r['speedup']:.2f}x faster** | | {rss_ratios} | "
                 f"bound {r['flop_bound_seconds']:.2f} s at {r['gemm_peak_gflops']:.0f} GFLOP/s | |"
             )
         phases = list(steps[0]["modes"]["ours"]["breakdown"])
