@@ -337,10 +337,14 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
 
 @pytest.mark.slow
 def test_resume_from_the_last_checkpoint(tmp_path):
-    """2 steps with a checkpoint at each, then --resume_from_checkpoint latest to 3 steps: the same
-    embedding as one process with batch 2 running 3 steps straight (tolerance as in test_launch)."""
+    """2 steps under mpirun with a checkpoint at each, then Ray workers --resume_from_checkpoint
+    latest to 3 steps: the same embedding as one process with batch 2 running 3 steps straight
+    (tolerance as in test_launch). The engine's checkpoints do not depend on the launcher that
+    wrote them (and the job starts Ray once, not twice)."""
     out = tmp_path / "ray"
-    first = run_cli("--nproc_per_node", "2", out=out, train=["--checkpointing_steps", "1"])
+    first = subprocess.run([sys.executable, "-m", "helpers.launch", "--launcher", "mpirun", "--nproc_per_node", "2",
+                            "--threads_per_process", "1", "--", *train_args(out), "--checkpointing_steps", "1"],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
     second = run_cli("--nproc_per_node", "2", out=out,
