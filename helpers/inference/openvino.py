@@ -273,9 +273,13 @@ def _load_for_export(path: Path) -> Any:
     if is_openvino_folder(path):
         return cls.from_pretrained(path, compile=False)
     logger.info("exporting %s to OpenVINO IR (minutes and GBs for SD v1.5, more for SDXL)", path)
-    # load_in_8bit=False: keep fp32 weights whatever the model size; int8 is a separate, explicit step
+    # fp32 whatever the model's size (load_in_8bit=False: int8 is a separate, explicit step) and whatever
+    # dtype its weights are stored in: optimum would trace an fp16-stored UNet's whole pipeline in fp16,
+    # with the text encoders' token tables behind a 16-bit embedding op learned rows cannot go into
     with tracing_quietly():
-        return cls.from_pretrained(path, export=True, compile=False, load_in_8bit=False)
+        return cls.from_pretrained(
+            path, export=True, compile=False, load_in_8bit=False, torch_dtype=torch.float32
+        )
 
 
 def _save_export(pipe: Any, folder: Path, weight_format: str) -> None:
