@@ -275,7 +275,9 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
 
     Measured (8 pictures, fixed seeds, fp32): Textual Inversion with two vectors per encoder 0.0008
     before, 0.99 after; DreamBooth-LoRA ("a photo of sks", 300 steps) 0.001 before, 0.84 after, the
-    class prompt's pictures 8 of 8 not Pip before and after.
+    class prompt's pictures 8 of 8 not Pip before and after. OpenVINO with the word in both
+    encoders: encoder outputs within 7e-7 of PyTorch's, images at 86 dB PSNR (int8 weights: 46 dB),
+    Pip 0.99.
     """
     from safetensors.torch import load_file
 
@@ -307,6 +309,14 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
         r["ti_concept_score_after"],
         r["lora_concept_score_after"],
     )
+    # OpenVINO: the word inserted in both encoders (two rows each), each giving PyTorch's output
+    assert r["openvino_inserted_tokens"] == ["<pip>", "<pip>_1"]
+    assert (
+        len(r["openvino_encoder_diffs"]) == 2
+        and max(r["openvino_encoder_diffs"]) < inference.TEXT_ENCODER_ATOL
+    )
+    assert r["openvino_image_psnr"] > inference.IMAGE_PSNR_MIN_DB and r["openvino_int8_image_psnr"] > 30
+    assert r["openvino_concept_score"] >= 0.7
 
 
 @pytest.mark.notebooks
