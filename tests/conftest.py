@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,7 +138,9 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     """Seconds and processes started per test module, most first; also written to
-    ``build/test-times.json`` for the next maintainer (which modules to make cheaper)."""
+    ``build/test-times.json`` for the next maintainer (which modules to make cheaper). Another
+    environment's run (``make test-ipex``: ``.venv-ipex``) writes ``build/test-times.venv-ipex.json``
+    beside it instead of replacing it."""
     if not _MODULE_SECONDS or hasattr(terminalreporter.config, "workerinput"):  # the controller writes it
         return
     rows = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
@@ -146,7 +149,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{seconds:8.1f} s {_MODULE_SUBPROCESSES.get(module, 0):5d} processes  {module}"
         )
-    path = Path(__file__).resolve().parents[1] / "build" / "test-times.json"
+    env = Path(sys.prefix).name
+    path = (
+        Path(__file__).resolve().parents[1]
+        / "build"
+        / ("test-times.json" if env == ".venv" else f"test-times{env}.json")
+    )
     path.parent.mkdir(exist_ok=True)
     path.write_text(
         json.dumps(
