@@ -153,7 +153,7 @@ def pytest_terminal_summary(terminalreporter):
     path = (
         Path(__file__).resolve().parents[1]
         / "build"
-        / ("test-times.json" if env == ".venv" else f"test-times{env}.json")
+        / ("test-times.json" if env == ".venv" else f"test-times.{env.lstrip('.')}.json")
     )
     path.parent.mkdir(exist_ok=True)
     path.write_text(
