@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -223,7 +226,8 @@ def export_openvino(
         )
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
 
-    replace_dir_atomic(out, fill)
+    with _collector_skips_older_objects():
+        replace_dir_atomic(out, fill)
     what = weight_format + (f", UNet in {quant_mode}" if quant_mode else "")
     logger.info("exported %s (%s) to %s in %.1f s", os.fspath(source), what, out, info["seconds"])
     return out
@@ -264,6 +268,28 @@ def _check_export(
             f"out_dir {str(out)!r} is the source folder itself. Fix: choose another out_dir."
         )
     return path
+
+
+@contextlib.contextmanager
+def _collector_skips_older_objects() -> Iterator[None]:
+    """Full garbage collections inside the block walk only the objects made inside it.
+
+    optimum-intel's exporter calls ``gc.collect()`` about a dozen times per pipeline (after each
+    model it traces, converts and saves), and each call walks every object the process holds: in a
+    notebook kernel or a test process with torch, diffusers and transformers loaded, half a second
+    each. :func:`gc.freeze` takes the objects alive now out of those walks; they go back to the
+    collector when the block ends, so a cycle among them is collected then, unless the process had
+    frozen objects itself (a command under :func:`helpers.core.errors.exit_with`): then they stay
+    frozen, as that process chose. Measured on the toy world's export (a process holding 600,000
+    objects): 23.7 s, and 12-18 s with this.
+    """
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
 
 
 def _load_for_export(path: Path) -> Any:
