@@ -113,7 +113,7 @@ def _collector_walks_this_modules_objects():
 
     A test process holds torch's, diffusers', transformers' and optimum's objects (about 600,000),
     and every automatic full collection walked them all: measured over tests/training,
-    tests/dreambooth and tests/toyworld (not slow), 98 s of 562 s went to 141 such walks. Frozen,
+    tests/dreambooth and tests/toyworld (not slow), 98 s of 562 s went to about 160 such walks. Frozen,
     they are left out; what a module makes is collected as usual, and garbage left from earlier
     modules is collected before each freeze. The commands do the same for their own process
     (:func:`helpers.core.errors.exit_with`); this is the suite's process.
