@@ -280,8 +280,7 @@ def _collector_skips_older_objects() -> Iterator[None]:
     each. :func:`gc.freeze` takes the objects alive now out of those walks; they go back to the
     collector when the block ends, so a cycle among them is collected then, unless the process had
     frozen objects itself (a command under :func:`helpers.core.errors.exit_with`): then they stay
-    frozen, as that process chose. Measured on the toy world's export (a process holding 600,000
-    objects): 23.7 s, and 12-18 s with this.
+    frozen, as that process chose. What it saves: docs/performance.md, "Findings: inference".
     """
     frozen_before = gc.get_freeze_count()
     gc.freeze()
