@@ -228,19 +228,13 @@ def _start_processes(job: _Job, cwd: str) -> None:
 
 def _supervise(job: _Job, exit_grace_seconds: float, stall_seconds: float, timeout: float | None) -> None:
     """Stream the lines until every output pipe is closed, stopping the job once when it must end."""
-    open_pipes, ended_at = len(job.procs), None
+    open_pipes, ended_at = set(range(len(job.procs))), None
     while open_pipes:
-        try:
-            i, text, end = job.lines.get(timeout=0.2)
-            if text is None:
-                open_pipes -= 1
-            else:
-                job.out.feed(i, job.commands[i], text, end)
-        except queue.Empty:
-            pass
+        _feed_next_line(job, open_pipes, 0.2)
         now = time.monotonic()
         why = _reason_to_stop(job, now, exit_grace_seconds, stall_seconds, timeout)
         if why:
+            _feed_what_exited_commands_wrote(job, open_pipes)  # their last lines (an error) come first
             job.out.aside(f"helpers.launch: stopping the job: {why}")  # the final message says it
             job.stop()
             job.killed, job.stopped_at = True, now
@@ -248,6 +242,26 @@ def _supervise(job: _Job, exit_grace_seconds: float, stall_seconds: float, timeo
             ended_at = ended_at or now
             if now - ended_at > 5:  # an orphan holds a pipe open: stop reading
                 break
+
+
+def _feed_next_line(job: _Job, open_pipes: set[int], wait_seconds: float) -> None:
+    """Pass on the next line any command wrote (waiting at most ``wait_seconds``), or note a pipe closed."""
+    try:
+        i, text, end = job.lines.get(timeout=wait_seconds)
+    except queue.Empty:
+        return
+    if text is None:
+        open_pipes.discard(i)
+    else:
+        job.out.feed(i, job.commands[i], text, end)
+
+
+def _feed_what_exited_commands_wrote(job: _Job, open_pipes: set[int], limit_seconds: float = 2.0) -> None:
+    """Pass on every line the commands that have exited wrote before they did: a reader thread may
+    still hold some when the exit is seen. Within ``limit_seconds``: a child may hold their pipe open."""
+    deadline = time.monotonic() + limit_seconds
+    while time.monotonic() < deadline and any(job.procs[i].poll() is not None for i in open_pipes):
+        _feed_next_line(job, open_pipes, 0.05)
 
 
 def _reason_to_stop(

@@ -33,8 +33,14 @@ def test_a_job_that_succeeds_streams_rank_0_and_reports_no_failure(tmp_path):
 
 def test_a_failed_rank_is_named_and_the_others_stopped_at_once(tmp_path):
     """A command that exits non-zero stops the job at once, with the default exit grace (60 s,
-    for ranks that end well): the other command, sleeping 60 s, is stopped long before."""
-    crash = "import sys; print('[1] Traceback (most recent call last):'); print('[1] RuntimeError: boom'); sys.exit(3)"
+    for ranks that end well): the other command, sleeping 60 s, is stopped long before. Its whole
+    traceback (3,000 lines written one by one, so the exit is seen before they are all read) is in
+    the log before the launcher's line."""
+    crash = (
+        "import sys\nprint('[1] Traceback (most recent call last):', flush=True)\n"
+        "for k in range(3000): print(f'[1]   frame {k}', flush=True)\n"
+        "print('[1] RuntimeError: boom', flush=True); sys.exit(3)"
+    )
     hang = "import time; time.sleep(60)"
     started, stream = time.monotonic(), io.StringIO()
     result = job.run_job([_python(crash), _python(hang)], stream=stream, log_path=tmp_path / "job.log")
@@ -46,10 +52,9 @@ def test_a_failed_rank_is_named_and_the_others_stopped_at_once(tmp_path):
         f"ranks. Every rank's output, tracebacks included: {tmp_path / 'job.log'}"
     )
     assert stream.getvalue() == ""  # the traceback is in the log, not on the screen
-    assert (
-        "[1] Traceback (most recent call last):\n[1] RuntimeError: boom\n"
-        in (tmp_path / "job.log").read_text()
-    )
+    log = (tmp_path / "job.log").read_text().splitlines()
+    assert log[0] == "[1] Traceback (most recent call last):" and log[3000] == "[1]   frame 2999"
+    assert log[-2:] == ["[1] RuntimeError: boom", "helpers.launch: stopping the job: a command failed"]
 
 
 def test_the_timeout_stops_the_job():
