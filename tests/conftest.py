@@ -60,32 +60,57 @@ def notebook_run_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def notebook_records(notebook_run_dir):
+def notebook_records(notebook_run_dir, tmp_path_factory):
     """``notebook_records(stem)`` runs the notebooks in order up to ``stem`` (once each, whichever
-    worker asks first; the other waits for it) on the tiny profile and returns that notebook's records."""
+    worker asks first; the other waits for it) on the offline profile and returns that notebook's records.
+
+    They run in JupyterLab in headless Chromium, as attendees run them (tests/workshop/lab.py): each is
+    saved executed where it ran, beside its report ``<stem>.lab.json`` of what JupyterLab showed. Where
+    Chromium or JupyterLab is missing, papermill runs them, as ``make demo`` does."""
     from filelock import FileLock
+    from workshop import lab  # tests/ is on sys.path
 
     from helpers.workshop import notebooks
+
+    runner = None if lab.MISSING else lab.LabRunner(notebook_run_dir, tmp_path_factory.mktemp("lab-work"))
+
+    def execute(nb: Path) -> None:
+        if runner is None:
+            notebooks.run_notebook(
+                nb, notebook_run_dir / nb.name, notebooks.tiny_profile(nb), cwd=notebook_run_dir
+            )
+            return
+        report = runner.run(nb)
+        if report["cells_run"] < report["code_cells"] or not report["code_cells"]:
+            raise notebooks.NotebookError(
+                f"{nb.name} in JupyterLab: {report['cells_run']} of {report['code_cells']} code cells ran:\n  - "
+                + "\n  - ".join(report["findings"])
+            )
 
     def run_up_to(stem: str) -> dict:
         with FileLock(notebook_run_dir / "running.lock"):
             for nb in notebooks.notebook_paths():
-                out, failed = notebook_run_dir / nb.name, notebook_run_dir / f"{nb.stem}.failed"
+                done, failed = notebook_run_dir / f"{nb.stem}.done", notebook_run_dir / f"{nb.stem}.failed"
                 if failed.exists():  # the other worker ran it: the same failure, without running it again
                     raise notebooks.NotebookError(failed.read_text())
-                if not out.exists():  # run_notebook writes it atomically once every cell has run
+                if not done.exists():
                     try:
-                        notebooks.run_notebook(nb, out, notebooks.tiny_profile(nb), cwd=notebook_run_dir)
+                        execute(nb)
                     except Exception as error:
                         failed.write_text(
                             str(error) if isinstance(error, notebooks.NotebookError) else repr(error)
                         )
                         raise
+                    done.touch()
                 if nb.stem == stem:
-                    return notebooks.read_records(out)
+                    return notebooks.read_records(notebook_run_dir / nb.name)
         raise KeyError(f"no notebook named {stem!r} in {notebooks.NOTEBOOK_DIR}")
 
-    return run_up_to
+    try:
+        yield run_up_to
+    finally:
+        if runner is not None:
+            runner.close()
 
 
 # --- two workers (`make test` runs pytest-xdist with --dist loadscope: a module's tests on one worker) ----

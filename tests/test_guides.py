@@ -153,11 +153,14 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 _CALL_TO_TYPE = re.compile(r"^(?:pipe\.\w+|\w+Pipeline\.from_pretrained)\(.*\)$")
 
 NOT_RUN = {
-    "make demo": "runs every notebook offline: tests/workshop/test_notebooks.py runs the same",
+    "make demo": (
+        "runs every notebook offline with papermill: tests/workshop/test_notebooks.py runs the same notebooks "
+        "in JupyterLab, tests/workshop/test_handouts.py one with papermill into its handout"
+    ),
     "make test": "the test suite itself",
     "make lab": (
         "starts JupyterLab, a server that runs until stopped: tests/workshop/test_jupyter.py checks how it "
-        "prepares the notebooks and decides offline, tests/workshop/test_lab.py (slow) runs them in JupyterLab"
+        "prepares the notebooks and decides offline, tests/workshop/test_notebooks.py runs them in JupyterLab"
     ),
     ".venv/bin/tensorboard --logdir out/logs": (
         "starts TensorBoard, a server that runs until stopped: tests/training/test_tracking.py reads the "

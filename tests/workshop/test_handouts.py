@@ -216,3 +216,22 @@ NOISE = (
     "Keyword arguments {'subfolder'", "requires torchvision", "nncf:Statistics", "site-packages/",
     "You have disabled the safety checker",
 )  # fmt: skip
+
+
+@pytest.mark.notebooks
+def test_make_demo_runs_a_notebook_with_papermill_into_a_quiet_handout(tmp_path):
+    """``make demo`` runs the notebooks with papermill, where a progress bar is text, not a widget (the
+    test session runs them in JupyterLab: tests/workshop/lab.py): notebook 02 on the offline profile
+    with a tenth of its steps keeps one line per bar, and its handout loads nothing and shows no noise."""
+    nb = NOTEBOOKS[1]
+    profile = notebooks.tiny_profile(nb) | {"max_train_steps": 20, "num_compare_images": 2}
+    records = notebooks.run_notebook(nb, tmp_path / nb.name, profile, cwd=tmp_path)
+    assert records["history_steps"] == 20 and records["final_loss"] > 0
+    executed = json.loads((tmp_path / nb.name).read_text())
+    streams = [o for c in executed["cells"] for o in c.get("outputs", []) if o["output_type"] == "stream"]
+    assert [o for o in streams if "\r" in "".join(o["text"])] == []  # progress bars: their last line only
+    page = handouts.export_html(tmp_path / nb.name, tmp_path / f"{nb.stem}.html").read_text()
+    assert REMOTE_LOAD.findall(page) == []
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert [n for n in NOISE if n in text] == []
+    assert re.search(r"textual inversion: 100%\S* 20/20", html.unescape(text)), text[:2000]

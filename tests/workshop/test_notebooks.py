@@ -1,5 +1,6 @@
-"""Every notebook: committed clean, one parameters cell, runs headless on the tiny profile, and
-records what it showed (each notebook's records are checked here)."""
+"""Every notebook: committed clean, one parameters cell, runs on the tiny profile in JupyterLab as
+an attendee runs it (tests/workshop/lab.py), shows nothing broken there, and records what it
+computed (each notebook's records are checked here)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from PIL import Image
 from helpers import inference
 from helpers.cluster import azure, estimates, scaling
 from helpers.workshop import handouts, notebooks
+from workshop import lab
 from workshop.test_handouts import NOISE, REMOTE_LOAD
 
 NOTEBOOKS = notebooks.notebook_paths()
@@ -73,6 +75,25 @@ def test_notebook_runs_on_tiny_profile_and_records(path: Path, notebook_records,
     source = "\n".join("".join(c["source"]) for c in code)
     named = set(re.findall(r"""\brecord\(\s*["']([^"']+)["']""", source))
     assert records and named <= set(records), f"named but not recorded: {sorted(named - set(records))}"
+
+
+@pytest.mark.notebooks
+@pytest.mark.skipif(bool(lab.MISSING), reason=lab.MISSING)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_in_jupyterlab(path: Path, notebook_records, notebook_run_dir):
+    """What JupyterLab showed while the notebook ran and afterwards (``lab.run_in_lab``'s findings):
+    nothing a person would call broken, every code cell run."""
+    notebook_records(path.stem)
+    report = json.loads((notebook_run_dir / f"{path.stem}.lab.json").read_text())
+    assert report["code_cells"] > 0, (
+        f"{path.name}: no code cell found in the page: the notebook was not opened"
+    )
+    assert not report["findings"], (
+        f"{path.name} in JupyterLab ({report['cells_run']}/{report['code_cells']} code cells ran in "
+        f"{report['seconds_run_all']} s; screenshot {report['screenshot']}):\n  - "
+        + "\n  - ".join(report["findings"])
+    )
+    assert report["cells_run"] == report["code_cells"]
 
 
 def live_curve(executed: Path, index: int = 0) -> list[str]:
