@@ -3,9 +3,9 @@
 The launchers do not know the family: a rank runs the same ``python -m helpers.train`` (or
 ``helpers.dreambooth``) on tiny-xl, and what differs from SD v1 is what the all-reduce carries: the
 rows of *both* text encoders (Textual Inversion), the LoRA matrices of the UNet and both encoders
-(DreamBooth-LoRA). Textual Inversion runs under mpirun (2 x batch 1, gloo) and Ray Train (2 workers),
-DreamBooth-LoRA under mpirun, each against one process with batch 2; torchrun starts the same ranks
-as mpirun (tests/launching/test_launch.py holds it to mpirun's numbers on SD v1).
+(DreamBooth-LoRA). Both methods run under mpirun (2 x batch 1, gloo) and Ray Train (2 workers), each
+against one process with batch 2; torchrun starts the same ranks as mpirun
+(tests/launching/test_launch.py holds it to mpirun's numbers on SD v1).
 """
 
 from __future__ import annotations
@@ -64,14 +64,14 @@ def one_process(root: Path, module: str, args: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Textual Inversion: mpirun and Ray (2 x 1), one process (1 x 2), the half-data control (1 x 1);
-    DreamBooth-LoRA: mpirun (2 x 1), one process (1 x 2) and the half-data control."""
+    """For each method: mpirun and Ray (2 x 1), one process (1 x 2), the half-data control (1 x 1)."""
     root = tmp_path_factory.mktemp("sdxl-launch")
     launch(root, "mpirun", "helpers.train", ti_args(root / "ti_mpirun", 1))
     launch(root, "ray", "helpers.train", ti_args(root / "ti_ray", 1))
     one_process(root, "helpers.train", ti_args(root / "ti_single", 2))
     one_process(root, "helpers.train", ti_args(root / "ti_half", 1))
     launch(root, "mpirun", "helpers.dreambooth", lora_args(root / "lora_mpirun", 1))
+    launch(root, "ray", "helpers.dreambooth", lora_args(root / "lora_ray", 1))
     one_process(root, "helpers.dreambooth", lora_args(root / "lora_single", 2))
     one_process(root, "helpers.dreambooth", lora_args(root / "lora_half", 1))
     return {p.name: p for p in root.iterdir() if p.is_dir()}
@@ -106,16 +106,15 @@ def test_the_half_data_control_is_outside_the_tolerance(runs):
     assert (half - single)[first:].abs().max() > 5 * SPLIT_ATOL  # the second encoder's rows too
 
 
-def test_dreambooth_ranks_average_the_lora_of_the_unet_and_both_encoders(runs):
-    s = summary(runs["lora_mpirun"])
+@pytest.mark.parametrize("run", ["lora_mpirun", "lora_ray"])
+def test_dreambooth_ranks_average_the_lora_of_the_unet_and_both_encoders(runs, run):
+    s = summary(runs[run])
     assert (s["world_size"], s["steps"], s["allreduce_calls"]) == (2, STEPS, STEPS)
     assert s["lora_identical_across_ranks"] is True
     assert s["allreduce_bytes_per_step"] == s["trainable_parameters"] * 4
-    two = load_file(runs["lora_mpirun"] / lora.LORA_WEIGHTS)
+    two = load_file(runs[run] / lora.LORA_WEIGHTS)
     assert {k.split(".")[0] for k in two} == {"unet", "text_encoder", "text_encoder_2"}
-    assert history_losses(runs["lora_mpirun"]) == pytest.approx(
-        history_losses(runs["lora_single"]), rel=SPLIT_LOSS_REL
-    )
-    same = relative_difference(lora_updates(runs["lora_mpirun"]), lora_updates(runs["lora_single"]))
+    assert history_losses(runs[run]) == pytest.approx(history_losses(runs["lora_single"]), rel=SPLIT_LOSS_REL)
+    same = relative_difference(lora_updates(runs[run]), lora_updates(runs["lora_single"]))
     half = relative_difference(lora_updates(runs["lora_half"]), lora_updates(runs["lora_single"]))
     assert same < 0.1 and half > 0.5, (same, half)  # over all layers, as SD v1's (tests/dreambooth)
