@@ -689,18 +689,6 @@ def findings_in_kernel_status(samples: list[dict], code_cell_index: list[int]) -
     return found
 
 
-def findings_in_records(executed: dict, records: dict) -> list[str]:
-    """Every record a cell names was recorded (what the values must be is each notebook's own test)."""
-    code = [c for c in executed["cells"] if c["cell_type"] == "code"]
-    source = "\n".join("".join(c["source"]) for c in code)
-    named = set(re.findall(r"""\brecord\(\s*["']([^"']+)["']""", source))
-    if named and not records:
-        return ["no records in the executed notebook"]
-    if named - set(records):
-        return [f"records named but not recorded: {sorted(named - set(records))}"]
-    return []
-
-
 def screenshot(lab: Lab, name: str, path: Path) -> None:
     """The whole notebook in one picture: the viewport as tall as the notebook's content."""
     driver = lab.driver
@@ -739,7 +727,6 @@ def run_in_lab(lab: Lab, nb: Path) -> dict[str, Any]:
     saved = lab.driver.execute_async_script(JS_SAVE_AND_SHUTDOWN, name)
     if saved.get("error"):
         findings.append(f"saving the notebook failed: {saved['error']}")
-    executed = json.loads(nb.read_text())  # as JupyterLab saved it: the widgets' state included
     records = notebooks.read_records(nb)
     bars = sum(c["progressWidgets"] for c in cells)
     if bars:
@@ -751,7 +738,6 @@ def run_in_lab(lab: Lab, nb: Path) -> dict[str, Any]:
         findings.append(f"code cells not executed: {not_run} of {len(code)}")
     findings += findings_on_screen(cells)
     findings += findings_in_kernel_status(samples, [c["index"] for c in code])
-    findings += findings_in_records(executed, records)
     idle_busy = [s for s in samples if s["pending"] and (s["kernel"] == "idle" or "Idle" in s["statusbar"])]
     report = {
         "notebook": name,

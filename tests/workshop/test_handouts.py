@@ -218,6 +218,19 @@ NOISE = (
 )  # fmt: skip
 
 
+def quiet_offline_handout(executed: Path) -> str:
+    """The text of the HTML handout of an executed notebook, after checking that a progress bar kept
+    its last line only, that the page loads nothing from the network and that it shows no noise."""
+    nb = json.loads(executed.read_text())
+    streams = [o for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "stream"]
+    assert [o for o in streams if "\r" in "".join(o["text"])] == []  # progress bars: their last line only
+    page = handouts.export_html(executed, executed.with_suffix(".html")).read_text()
+    assert REMOTE_LOAD.findall(page) == []
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert [n for n in NOISE if n in text] == []
+    return text
+
+
 @pytest.mark.notebooks
 def test_make_demo_runs_a_notebook_with_papermill_into_a_quiet_handout(tmp_path):
     """``make demo`` runs the notebooks with papermill, where a progress bar is text, not a widget (the
@@ -227,11 +240,5 @@ def test_make_demo_runs_a_notebook_with_papermill_into_a_quiet_handout(tmp_path)
     profile = notebooks.tiny_profile(nb) | {"max_train_steps": 20, "num_compare_images": 2}
     records = notebooks.run_notebook(nb, tmp_path / nb.name, profile, cwd=tmp_path)
     assert records["history_steps"] == 20 and records["final_loss"] > 0
-    executed = json.loads((tmp_path / nb.name).read_text())
-    streams = [o for c in executed["cells"] for o in c.get("outputs", []) if o["output_type"] == "stream"]
-    assert [o for o in streams if "\r" in "".join(o["text"])] == []  # progress bars: their last line only
-    page = handouts.export_html(tmp_path / nb.name, tmp_path / f"{nb.stem}.html").read_text()
-    assert REMOTE_LOAD.findall(page) == []
-    text = re.sub(r"<[^>]+>", " ", page)
-    assert [n for n in NOISE if n in text] == []
+    text = quiet_offline_handout(tmp_path / nb.name)
     assert re.search(r"textual inversion: 100%\S* 20/20", html.unescape(text)), text[:2000]

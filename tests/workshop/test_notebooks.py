@@ -18,9 +18,9 @@ from PIL import Image
 
 from helpers import inference
 from helpers.cluster import azure, estimates, scaling
-from helpers.workshop import handouts, notebooks
+from helpers.workshop import notebooks
 from workshop import lab
-from workshop.test_handouts import NOISE, REMOTE_LOAD
+from workshop.test_handouts import quiet_offline_handout
 
 NOTEBOOKS = notebooks.notebook_paths()
 
@@ -344,15 +344,7 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_executed_handout_is_offline_and_quiet(path: Path, notebook_records, notebook_run_dir):
     notebook_records(path.stem)  # runs the notebooks up to this one
-    executed = json.loads((notebook_run_dir / path.name).read_text())
-    streams = [o for c in executed["cells"] for o in c.get("outputs", []) if o["output_type"] == "stream"]
-    assert [o for o in streams if "\r" in "".join(o["text"])] == []  # progress bars: their last line only
-    html = handouts.export_html(
-        notebook_run_dir / path.name, notebook_run_dir / f"{path.stem}.html"
-    ).read_text()
-    assert REMOTE_LOAD.findall(html) == []
-    text = re.sub(r"<[^>]+>", " ", html)
-    assert [n for n in NOISE if n in text] == []
+    text = quiet_offline_handout(notebook_run_dir / path.name)
     # bare floats with 10+ digits ending a cell are for machines, not people
     assert re.findall(r"\b\d+\.\d{10,}\b", text) == []
 
