@@ -167,3 +167,14 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     difference = sum(float((a[k] - b[k]).square().sum()) for k in b)
     return (difference / sum(float(v.square().sum()) for v in b.values())) ** 0.5
+
+
+def train_here(module: str, args: list[str]) -> None:
+    """``python -m <module> <args>`` (``helpers.train`` or ``helpers.dreambooth``) in this process, through
+    its ``cli``: for a run whose outputs a test compares, not its process. A fresh interpreter would
+    spend about 5 s importing torch and diffusers before its seconds of training."""
+    from helpers import train
+    from helpers.dreambooth import command
+
+    cli = {"helpers.train": train.cli, "helpers.dreambooth": command.cli}[module]
+    assert cli(args) == 0, f"python -m {module} {' '.join(args)} failed"

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_parts import lora_updates, relative_difference  # tests/ is on sys.path under pytest
+from tiny_parts import lora_updates, relative_difference, train_here  # tests/ is on sys.path under pytest
 
 from helpers.core.errors import InputError
 from helpers.dreambooth import class_images, lora, training
@@ -474,11 +474,10 @@ def process_runs(tmp_path_factory):
     torchrun = [sys.executable, "-m", "helpers.launch", "--launcher", "torchrun", "--nproc_per_node", "2",
                 "--threads_per_process", "1", "--main_process_port", str(free_port()),
                 "--module", "helpers.dreambooth", "--", *launch_args(root, "torchrun", 1)]  # fmt: skip
-    single = [sys.executable, "-m", "helpers.dreambooth", *launch_args(root, "single", 2)]
-    half = [sys.executable, "-m", "helpers.dreambooth", *launch_args(root, "half", 1)]
-    for cmd in (torchrun, single, half):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(torchrun, capture_output=True, text=True, timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, batch in (("single", 2), ("half", 1)):
+        train_here("helpers.dreambooth", launch_args(root, name, batch))
     return {name: root / name for name in ("mpirun", "ray", "torchrun", "single", "half")}
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from tiny_parts import train_here  # tests/ is on sys.path under pytest
 
 from helpers import launch
 from helpers.core import errors
@@ -444,9 +445,7 @@ def engine_runs(tmp_path_factory) -> dict[str, Path]:
         job.run_job(commands, stream=io.StringIO(), cwd=root, timeout=600).raise_for_failure()
         runs[name] = out
     for name, batch in [("single", 2), ("single_batch_4", 4), ("half", 1)]:
-        single = subprocess.run([sys.executable, "-m", "helpers.train", *train_args(root / name, batch=batch)],
-                                capture_output=True, text=True, timeout=600, cwd=root)  # fmt: skip
-        assert single.returncode == 0, single.stderr[-3000:]
+        train_here("helpers.train", train_args(root / name, batch=batch))
         runs[name] = root / name
     return runs
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_parts import lora_updates, relative_difference  # tests/ is on sys.path under pytest
+from tiny_parts import lora_updates, relative_difference, train_here  # tests/ is on sys.path under pytest
 
 from helpers.dreambooth import lora
 from helpers.launching import job
@@ -56,24 +54,18 @@ def launch(root: Path, launcher: str, module: str, args: list[str]) -> None:
     job.run_job(commands, stream=io.StringIO(), cwd=root, timeout=900).raise_for_failure()
 
 
-def one_process(root: Path, module: str, args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=900, cwd=root)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """For each method: mpirun and Ray (2 x 1), one process (1 x 2), the half-data control (1 x 1)."""
     root = tmp_path_factory.mktemp("sdxl-launch")
     launch(root, "mpirun", "helpers.train", ti_args(root / "ti_mpirun", 1))
     launch(root, "ray", "helpers.train", ti_args(root / "ti_ray", 1))
-    one_process(root, "helpers.train", ti_args(root / "ti_single", 2))
-    one_process(root, "helpers.train", ti_args(root / "ti_half", 1))
+    train_here("helpers.train", ti_args(root / "ti_single", 2))
+    train_here("helpers.train", ti_args(root / "ti_half", 1))
     launch(root, "mpirun", "helpers.dreambooth", lora_args(root / "lora_mpirun", 1))
     launch(root, "ray", "helpers.dreambooth", lora_args(root / "lora_ray", 1))
-    one_process(root, "helpers.dreambooth", lora_args(root / "lora_single", 2))
-    one_process(root, "helpers.dreambooth", lora_args(root / "lora_half", 1))
+    train_here("helpers.dreambooth", lora_args(root / "lora_single", 2))
+    train_here("helpers.dreambooth", lora_args(root / "lora_half", 1))
     return {p.name: p for p in root.iterdir() if p.is_dir()}
 
 

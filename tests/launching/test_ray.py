@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from tiny_parts import train_here  # tests/ is on sys.path under pytest
 
 from helpers import launch
 from helpers.launching import commands, job, preflight, rank_output, ray_worker, supervise
@@ -350,9 +351,7 @@ def test_resume_from_the_last_checkpoint(tmp_path):
     second = run_cli("--nproc_per_node", "2", out=out,
                      train=["--max_train_steps", "3", "--resume_from_checkpoint", "latest"])  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
-    single = subprocess.run([sys.executable, "-m", "helpers.train", *train_args(tmp_path / "single", steps=3, batch=2)],
-                            capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
-    assert single.returncode == 0, single.stderr[-3000:]
+    train_here("helpers.train", train_args(tmp_path / "single", steps=3, batch=2))
     assert [h["step"] for h in json.loads((out / "history.json").read_text())] == [1, 2, 3]
     assert history_losses(out) == pytest.approx(history_losses(tmp_path / "single"), rel=SPLIT_LOSS_REL)
     torch.testing.assert_close(learned(out), learned(tmp_path / "single"), rtol=0, atol=SPLIT_ATOL)

@@ -36,6 +36,7 @@ import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,13 @@ CHROMIUM_FLAGS = (
 )  # fmt: skip
 
 # Settings an attendee's JupyterLab would not differ in, except: every cell attached to the DOM
-# ("none" windowing), so the checks and the screenshot see the whole notebook, and no news toast.
+# ("none" windowing), so the checks and the screenshot see the whole notebook; each cell's run times
+# kept in the saved notebook (the report's seconds per cell: where a notebook's time goes); no news toast.
 LAB_SETTINGS = {
-    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {
+        "windowingMode": "none",
+        "recordTiming": True,
+    },
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
         "fetchNews": "false",
         "checkForUpdates": False,
@@ -706,6 +711,20 @@ def screenshot(lab: Lab, name: str, path: Path) -> None:
         driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
+def cell_seconds(nb: Path) -> dict[int, float]:
+    """Seconds each code cell of the saved notebook ran, by cell index, from the timestamps JupyterLab
+    records (``recordTiming``): from the kernel starting the cell to its reply."""
+    seconds = {}
+    for index, cell in enumerate(json.loads(nb.read_text())["cells"]):
+        times = cell.get("metadata", {}).get("execution", {})
+        if "iopub.execute_input" in times and "shell.execute_reply" in times:
+            start, end = (
+                datetime.fromisoformat(times[k]) for k in ("iopub.execute_input", "shell.execute_reply")
+            )
+            seconds[index] = round((end - start).total_seconds(), 1)
+    return seconds
+
+
 def run_in_lab(lab: Lab, nb: Path) -> dict[str, Any]:
     """Open ``nb`` (in the server's root), Run All, use its forms, look, save it in place; its report
     (what JupyterLab showed that a person would call broken: ``findings``) is written beside it as
@@ -728,6 +747,7 @@ def run_in_lab(lab: Lab, nb: Path) -> dict[str, Any]:
     if saved.get("error"):
         findings.append(f"saving the notebook failed: {saved['error']}")
     records = notebooks.read_records(nb)
+    seconds = cell_seconds(nb)
     bars = sum(c["progressWidgets"] for c in cells)
     if bars:
         findings += reopened_findings(lab, name, bars)
@@ -749,6 +769,7 @@ def run_in_lab(lab: Lab, nb: Path) -> dict[str, Any]:
         "records": sorted(records),
         "screenshot": str(shot),
         "samples_idle_while_a_cell_runs": len(idle_busy),
+        "seconds_per_cell": seconds,
         "cells": [
             {k: c[k] for k in ("index", "type", "count", "widgets", "progressWidgets", "richBars")}
             | {"outputs": [f"{o['type']}:{o['mime']}" for o in c["outputs"]], "stderr": len(c["stderr"])}

@@ -94,6 +94,9 @@ def test_notebook_in_jupyterlab(path: Path, notebook_records, notebook_run_dir):
         + "\n  - ".join(report["findings"])
     )
     assert report["cells_run"] == report["code_cells"]
+    seconds = {int(i): s for i, s in report["seconds_per_cell"].items()}  # where its time went
+    assert sorted(seconds) == [c["index"] for c in report["cells"] if c["type"] == "code"]
+    assert 0 < sum(seconds.values()) <= report["seconds_run_all"]
 
 
 def live_curve(executed: Path, index: int = 0) -> list[str]:
