@@ -27,7 +27,6 @@ from urllib.parse import urlparse
 
 import torch
 
-from helpers.core.files import replace_dir_atomic
 from helpers.core.quiet import quiet_model_loading
 from helpers.core.sources import classify_source
 from helpers.training import models_xl
@@ -63,18 +62,7 @@ HUB_ALLOW_PATTERNS = [
 
 # Bump when the tiny architecture or its build changes: the cache key includes it.
 TINY_BUILD_VERSION = 2
-TINY_TEXT_CONFIG = dict(
-    hidden_size=32,
-    intermediate_size=37,
-    num_attention_heads=4,
-    num_hidden_layers=2,
-    max_position_embeddings=77,
-    projection_dim=32,
-    hidden_act="quick_gelu",
-    bos_token_id=49406,
-    eos_token_id=49407,
-    pad_token_id=49407,
-)
+TINY_TEXT_CONFIG = models_xl.TINY_XL_TEXT_CONFIG  # CLIP ViT-L's tower at toy width: tiny-xl's first encoder
 TINY_UNET_CONFIG = dict(
     sample_size=TINY_RESOLUTION // 8,
     in_channels=4,
@@ -99,17 +87,7 @@ TINY_VAE_CONFIG = dict(
     norm_num_groups=32,
     scaling_factor=0.18215,
 )
-# The noise schedule of Stable Diffusion v1.
-SD_SCHEDULER_CONFIG = dict(
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    num_train_timesteps=1000,
-    steps_offset=1,
-    clip_sample=False,
-    set_alpha_to_one=False,
-    skip_prk_steps=True,
-)
+SD_SCHEDULER_CONFIG = models_xl.SD_SCHEDULER_CONFIG  # the noise schedule of Stable Diffusion v1
 
 
 class HubUnavailableError(RuntimeError):
@@ -337,7 +315,7 @@ def _build_random_pipeline(path: Path, text_config: dict, unet_config: dict, vae
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(**vae_config)
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=49408, **text_config))
+    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=models_xl.CLIP_VOCAB_SIZE, **text_config))
     pipe = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
@@ -348,7 +326,7 @@ def _build_random_pipeline(path: Path, text_config: dict, unet_config: dict, vae
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    _save_atomically(pipe, Path(path))
+    models_xl.save_atomically(pipe, Path(path))
     return pipe
 
 
@@ -365,13 +343,6 @@ def build_tiny_pipeline(path: str | os.PathLike, seed: int = 0):
         The ``StableDiffusionPipeline`` that was saved.
     """
     return _build_random_pipeline(Path(path), TINY_TEXT_CONFIG, TINY_UNET_CONFIG, TINY_VAE_CONFIG, seed)
-
-
-def _save_atomically(pipe, path: Path) -> None:
-    # keep_existing: several processes may build the same cache entry; the first one finished stays.
-    replace_dir_atomic(
-        path, lambda folder: pipe.save_pretrained(folder, safe_serialization=True), keep_existing=True
-    )
 
 
 def _build_key(*configs: Any) -> str:
@@ -469,21 +440,3 @@ def sd15_shape_pipeline_dir() -> Path:
         SD15_SHAPE_BUILD_VERSION, SD15_SHAPE_TEXT_CONFIG, SD15_SHAPE_UNET_CONFIG, SD15_SHAPE_VAE_CONFIG
     )
     return _cached_build("sd15-shape", key, build_sd15_shape_pipeline)
-
-
-def build_sdxl_shape_pipeline(path: str | os.PathLike, seed: int = 0):
-    """Build and save a pipeline with SDXL base 1.0's architecture and random weights (benchmarks only).
-
-    UNet 2.57 B parameters, text encoders 0.12 B and 0.69 B, fp32: about 13 GB on disk and as much
-    memory while it is built. Only the shapes are real, so it measures speed and memory, never quality.
-    """
-    return models_xl.build_random_xl_pipeline(path, _xl_tokenizers(), models_xl.SDXL_SHAPE_CONFIGS, seed)
-
-
-@functools.cache
-def sdxl_shape_pipeline_dir() -> Path:
-    """The cached build of the SDXL-shape pipeline (built on first use: minutes, about 13 GB)."""
-    key = _build_key(
-        models_xl.SDXL_SHAPE_BUILD_VERSION, *models_xl.SDXL_SHAPE_CONFIGS, models_xl.SDXL_SCHEDULER_CONFIG
-    )
-    return _cached_build(models_xl.SDXL_SHAPE, key, build_sdxl_shape_pipeline)

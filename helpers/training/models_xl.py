@@ -1,6 +1,6 @@
-"""Stable Diffusion XL's shapes: the offline ``"tiny-xl"`` pipeline and the SDXL-shape pipeline for ``bench/``.
+"""Stable Diffusion XL's shapes: the offline ``"tiny-xl"`` pipeline and SDXL base 1.0's real configs.
 
-Both are built from diffusers' and transformers' own classes, as ``stabilityai/stable-diffusion-xl-base-1.0``
+``"tiny-xl"`` is built from diffusers' and transformers' own classes, as ``stabilityai/stable-diffusion-xl-base-1.0``
 is, with seeded random weights, and saved as a ``StableDiffusionXLPipeline`` folder:
 
 - two text encoders: ``text_encoder`` (``CLIPTextModel``, CLIP ViT-L's tower) and ``text_encoder_2``
@@ -44,7 +44,7 @@ TINY_XL_RESOLUTION = 64
 TINY_XL_BUILD_VERSION = 1
 CLIP_VOCAB_SIZE = 49408
 
-TINY_XL_TEXT_CONFIG = dict(  # encoder 1: CLIP ViT-L's tower at toy width (as "tiny"'s encoder)
+TINY_XL_TEXT_CONFIG = dict(  # encoder 1: CLIP ViT-L's tower at toy width ("tiny"'s encoder is this one)
     hidden_size=32,
     intermediate_size=37,
     num_attention_heads=4,
@@ -101,8 +101,8 @@ TINY_XL_VAE_CONFIG = dict(
     scaling_factor=SDXL_VAE_SCALING_FACTOR,
     force_upcast=True,
 )
-# stabilityai/stable-diffusion-xl-base-1.0's scheduler: SD v1's noise schedule, Euler sampling.
-SDXL_SCHEDULER_CONFIG = dict(
+# The noise schedule of Stable Diffusion v1 (helpers.training.models serves it), which SDXL keeps.
+SD_SCHEDULER_CONFIG = dict(
     beta_start=0.00085,
     beta_end=0.012,
     beta_schedule="scaled_linear",
@@ -111,6 +111,10 @@ SDXL_SCHEDULER_CONFIG = dict(
     clip_sample=False,
     set_alpha_to_one=False,
     skip_prk_steps=True,
+)
+# stabilityai/stable-diffusion-xl-base-1.0's scheduler: SD v1's noise schedule, Euler sampling.
+SDXL_SCHEDULER_CONFIG = dict(
+    SD_SCHEDULER_CONFIG,
     interpolation_type="linear",
     prediction_type="epsilon",
     sample_max_value=1.0,
@@ -118,10 +122,8 @@ SDXL_SCHEDULER_CONFIG = dict(
     use_karras_sigmas=False,
 )
 
-# --- SDXL base 1.0's real shapes (benchmarks only; about 13 GB of fp32 weights) ----------------
+# --- SDXL base 1.0's real shapes (counted by parameter_counts; about 13 GB of fp32 weights) ------
 
-SDXL_SHAPE = "sdxl-shape"
-SDXL_SHAPE_BUILD_VERSION = 1
 SDXL_SHAPE_TEXT_CONFIG = dict(  # text_encoder/config.json: CLIP ViT-L/14's text tower
     hidden_size=768,
     intermediate_size=3072,
@@ -219,11 +221,16 @@ def build_random_xl_pipeline(
         force_zeros_for_empty_prompt=True,
         add_watermarker=False,
     )
+    save_atomically(pipe, Path(path))
+    return pipe
+
+
+def save_atomically(pipe, path: Path) -> None:
+    """Save a built pipeline into ``path`` (written to a temporary sibling, then renamed)."""
     # keep_existing: several processes may build the same cache entry; the first one finished stays.
     replace_dir_atomic(
-        Path(path), lambda folder: pipe.save_pretrained(folder, safe_serialization=True), keep_existing=True
+        path, lambda folder: pipe.save_pretrained(folder, safe_serialization=True), keep_existing=True
     )
-    return pipe
 
 
 TINY_XL_CONFIGS = (TINY_XL_TEXT_CONFIG, TINY_XL_TEXT_CONFIG_2, TINY_XL_UNET_CONFIG, TINY_XL_VAE_CONFIG)
