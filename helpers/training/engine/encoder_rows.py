@@ -18,35 +18,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from helpers.training.engine.rows import (
-    EmbeddingHook,
-    LearnedEmbeddings,
-    add_placeholder_tokens,
-    check_tokens,
-    write_rows,
-)
+from helpers.training.engine.rows import add_placeholder_tokens, check_tokens
 from helpers.training.engine.saving import save_learned_embeds
 from helpers.training.families import Family
-
-
-@dataclass
-class EncoderRows:
-    """One text encoder's trainable placeholder rows, routed into it.
-
-    Attributes:
-        token_ids: the placeholder tokens' ids in this encoder's tokenizer (contiguous).
-        learned: the trainable ``num_vectors x width`` rows (fp32).
-        hook: routes the encoder's token embedding through ``learned``; ``hook.remove()`` undoes it.
-    """
-
-    token_ids: list[int]
-    learned: LearnedEmbeddings
-    hook: EmbeddingHook
 
 
 def add_placeholder_rows(
@@ -80,28 +58,6 @@ def add_placeholder_rows(
         add_placeholder_tokens(tokenizer, encoder, placeholder_token, initializer_token, num_vectors)
         for tokenizer, encoder in zip(tokenizers, text_encoders, strict=True)
     ]
-
-
-def trainable_rows(
-    text_encoders: Sequence[torch.nn.Module], token_ids: Sequence[Sequence[int]]
-) -> list[EncoderRows]:
-    """Each encoder's placeholder rows as trainable fp32 vectors, routed into the encoder by a hook.
-
-    Args:
-        text_encoders: the encoders, the rows already added (:func:`add_placeholder_rows`).
-        token_ids: each encoder's placeholder token ids.
-    """
-    rows = []
-    for encoder, ids in zip(text_encoders, token_ids, strict=True):
-        learned = LearnedEmbeddings(encoder.get_input_embeddings().weight[list(ids)], ids)
-        rows.append(EncoderRows(token_ids=list(ids), learned=learned, hook=EmbeddingHook(encoder, learned)))
-    return rows
-
-
-def write_encoder_rows(text_encoders: Sequence[torch.nn.Module], rows: Sequence[EncoderRows]) -> None:
-    """Copy each encoder's learned vectors into its embedding matrix (for saving the pipeline, sampling)."""
-    for encoder, row in zip(text_encoders, rows, strict=True):
-        write_rows(encoder, row.token_ids, row.learned.vectors)
 
 
 def save_encoder_embeds(

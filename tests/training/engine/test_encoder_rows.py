@@ -3,6 +3,9 @@ so that stock StableDiffusionXLPipeline.load_textual_inversion loads them exactl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
@@ -10,15 +13,49 @@ from safetensors.torch import load_file
 
 from helpers.training import families, models
 from helpers.training.engine import TrainingInputError, prepack
-from helpers.training.engine.encoder_rows import (
-    add_placeholder_rows,
-    save_encoder_embeds,
-    trainable_rows,
-    write_encoder_rows,
-)
+from helpers.training.engine.encoder_rows import add_placeholder_rows, save_encoder_embeds
+from helpers.training.engine.rows import EmbeddingHook, LearnedEmbeddings, write_rows
 from helpers.training.families import ImageSizes, sdxl
 
 TOY = 5988  # "toy" in CLIP's vocabulary
+
+
+# Each encoder's rows as the engine holds them (helpers.training.engine.setup does the same for its run).
+@dataclass
+class EncoderRows:
+    """One text encoder's trainable placeholder rows, routed into it.
+
+    Attributes:
+        token_ids: the placeholder tokens' ids in this encoder's tokenizer (contiguous).
+        learned: the trainable ``num_vectors x width`` rows (fp32).
+        hook: routes the encoder's token embedding through ``learned``; ``hook.remove()`` undoes it.
+    """
+
+    token_ids: list[int]
+    learned: LearnedEmbeddings
+    hook: EmbeddingHook
+
+
+def trainable_rows(
+    text_encoders: Sequence[torch.nn.Module], token_ids: Sequence[Sequence[int]]
+) -> list[EncoderRows]:
+    """Each encoder's placeholder rows as trainable fp32 vectors, routed into the encoder by a hook.
+
+    Args:
+        text_encoders: the encoders, the rows already added (:func:`add_placeholder_rows`).
+        token_ids: each encoder's placeholder token ids.
+    """
+    rows = []
+    for encoder, ids in zip(text_encoders, token_ids, strict=True):
+        learned = LearnedEmbeddings(encoder.get_input_embeddings().weight[list(ids)], ids)
+        rows.append(EncoderRows(token_ids=list(ids), learned=learned, hook=EmbeddingHook(encoder, learned)))
+    return rows
+
+
+def write_encoder_rows(text_encoders: Sequence[torch.nn.Module], rows: Sequence[EncoderRows]) -> None:
+    """Copy each encoder's learned vectors into its embedding matrix (for saving the pipeline, sampling)."""
+    for encoder, row in zip(text_encoders, rows, strict=True):
+        write_rows(encoder, row.token_ids, row.learned.vectors)
 
 
 def load_parts():
