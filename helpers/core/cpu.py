@@ -3,7 +3,10 @@
 bf16 is only fast where the CPU has it natively (AVX512-BF16 or AMX). Elsewhere PyTorch emulates
 it and a Stable Diffusion training step becomes many times slower than in fp32 (docs/architecture.md;
 no result file in bench/results measures it: they were all taken on CPUs with native bf16), so
-``auto`` picks bf16 only where it is native.
+``auto`` picks bf16 only where it is native. Native is not always faster either: with AVX512-BF16
+and no AMX, one Xeon multiplies bf16 matrices at half its fp32 speed (its bf16 step is 1.5 times
+slower than fp32) and an AMD EPYC at 2.3 times (its bf16 step 1.7 times faster), so there ``auto``
+measures this CPU's matrix products before choosing (:func:`bf16_gemm_speedup`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import platform
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
@@ -117,25 +120,80 @@ def can_lay_out_bf16_weights(flags: frozenset[str] | None = None) -> bool:
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 
-def choose_precision(requested: str = "auto", flags: frozenset[str] | None = None) -> PrecisionChoice:
+# ``auto`` on AVX512-BF16 without AMX picks bf16 where its matrix products are at least this many
+# times as fast as fp32's. Measured (bench/results, 256 px SD v1.5-shaped step): EPYC, GEMMs 2.3x,
+# step 1.7x faster in bf16; Xeon, GEMMs 0.5x, step 0.68x. Autocast's casts and element-wise work
+# take back part of a GEMM gain, hence a margin above 1.
+BF16_GEMM_SPEEDUP_NEEDED = 1.3
+
+
+@cache
+def bf16_gemm_speedup(size: int = 512, repeats: int = 5) -> float:
+    """How many times as fast this CPU multiplies two ``size`` x ``size`` matrices in bf16 as in fp32.
+
+    One thread (the ratio is the core's, whatever the threads a run uses), the best of ``repeats``
+    after a warm-up: about 0.05 s, once per process. A Xeon with AVX512-BF16 and no AMX measured
+    0.7 here, so :func:`choose_precision` keeps fp32 there.
+    """
+
+    def best_seconds(dtype: torch.dtype) -> float:
+        a, b = (torch.randn(size, size, generator=torch.Generator().manual_seed(i)).to(dtype) for i in (0, 1))
+        torch.mm(a, b)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch_threads(1):
+        return best_seconds(torch.float32) / best_seconds(torch.bfloat16)
+
+
+def choose_precision(
+    requested: str = "auto", flags: frozenset[str] | None = None, bf16_speedup: float | None = None
+) -> PrecisionChoice:
     """Pick the training precision for this CPU.
 
     Args:
         requested: ``"auto"``, ``"no"`` (fp32) or ``"bf16"``.
         flags: CPU flags to decide on (default: this machine's).
+        bf16_speedup: for ``auto`` on AVX512-BF16 without AMX, bf16's matrix-product speed over
+            fp32's (default: :func:`bf16_gemm_speedup` measures this machine's).
 
     Returns:
         The accelerate mixed-precision mode, the reason, and a warning where the choice is slow.
     """
+    flags = cpu_flags() if flags is None else flags
     native = has_native_bf16(flags)
-    names = ", ".join(f for f in NATIVE_BF16_FLAGS if f in (cpu_flags() if flags is None else flags))
+    names = ", ".join(f for f in NATIVE_BF16_FLAGS if f in flags)
     if requested == "auto":
-        if native:
+        if not native:
+            return PrecisionChoice("no", "auto: the CPU has no native bf16 (no AVX512-BF16, no AMX), so fp32")
+        if "amx_bf16" in flags:
             return PrecisionChoice("bf16", f"auto: the CPU has native bf16 ({names}), so bf16 autocast")
-        return PrecisionChoice("no", "auto: the CPU has no native bf16 (no AVX512-BF16, no AMX), so fp32")
+        speedup = bf16_gemm_speedup() if bf16_speedup is None else bf16_speedup
+        measured = f"the CPU has native bf16 ({names}, no AMX) and multiplies matrices {speedup:.1f}x as fast in bf16"
+        if speedup >= BF16_GEMM_SPEEDUP_NEEDED:
+            return PrecisionChoice("bf16", f"auto: {measured}, so bf16 autocast")
+        return PrecisionChoice(
+            "no", f"auto: {measured} (bf16 pays from {BF16_GEMM_SPEEDUP_NEEDED}x), so fp32"
+        )
     if requested == "bf16":
         if native:
-            return PrecisionChoice("bf16", f"bf16 requested and the CPU has it natively ({names})")
+            chosen = PrecisionChoice("bf16", f"bf16 requested and the CPU has it natively ({names})")
+            if "amx_bf16" in flags:
+                return chosen
+            speedup = bf16_gemm_speedup() if bf16_speedup is None else bf16_speedup
+            if speedup >= 1:
+                return chosen
+            return replace(
+                chosen,
+                warning=(
+                    f"this CPU multiplies matrices {speedup:.1f}x as fast in bf16 as in fp32: "
+                    "mixed_precision='auto' (fp32 here) trains faster"
+                ),
+            )
         return PrecisionChoice(
             "bf16",
             "bf16 requested although the CPU has no native bf16",

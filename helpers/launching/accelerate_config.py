@@ -59,7 +59,7 @@ def render_accelerate_config(
     Args:
         layout: the cluster.
         machine_rank: this node's index in ``layout.hosts``.
-        mixed_precision: ``"no"`` (fp32), ``"bf16"`` or ``"auto"`` (bf16 only where this CPU has it).
+        mixed_precision: ``"no"`` (fp32), ``"bf16"`` or ``"auto"`` (bf16 where this CPU has it natively and it is faster).
         mpirun_hostfile: if given, ``accelerate launch`` itself starts mpirun with this hostfile;
             leave None when :mod:`helpers.launch` runs mpirun.
     """

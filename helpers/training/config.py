@@ -121,7 +121,7 @@ class TrainConfig(Settings):
     )
     mixed_precision: str = setting(
         "auto",
-        "auto: bf16 only where the CPU has native bf16",
+        "auto: bf16 where the CPU has native bf16 and multiplies faster in it",
         choices=MIXED_PRECISION,
         hint=schema.FP16_HINT,
     )

@@ -43,7 +43,7 @@ FAR = 100.0
 """How far beyond a setting's ``usual`` range a value must be to warn."""
 
 
-FP16_HINT = "fp16 is a GPU format: on a CPU use auto, which picks bf16 where it is native"
+FP16_HINT = "fp16 is a GPU format: on a CPU use auto, which picks bf16 where it is native and faster"
 """The ``hint`` of both trainers' ``mixed_precision``."""
 
 

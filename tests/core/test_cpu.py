@@ -44,13 +44,50 @@ def test_native_bf16_means_avx512_bf16_or_amx(flags, native):
 
 def test_auto_picks_bf16_only_where_the_cpu_has_it():
     with_bf16, without = frozenset({"avx512_bf16"}), frozenset({"avx2"})
-    assert cpu.choose_precision("auto", with_bf16) == cpu.PrecisionChoice(
-        "bf16", "auto: the CPU has native bf16 (avx512_bf16), so bf16 autocast"
+    assert cpu.choose_precision("auto", with_bf16, bf16_speedup=2.3) == cpu.PrecisionChoice(
+        "bf16",
+        "auto: the CPU has native bf16 (avx512_bf16, no AMX) and multiplies matrices 2.3x as fast "
+        "in bf16, so bf16 autocast",
     )
     assert cpu.choose_precision("auto", without) == cpu.PrecisionChoice(
         "no", "auto: the CPU has no native bf16 (no AVX512-BF16, no AMX), so fp32"
     )
     assert cpu.choose_precision("no", with_bf16).mixed_precision == "no"
+
+
+def test_auto_keeps_fp32_where_native_bf16_multiplies_slower(monkeypatch):
+    with_bf16 = frozenset({"avx512f", "avx512_bf16"})
+    assert cpu.choose_precision("auto", with_bf16, bf16_speedup=0.7) == cpu.PrecisionChoice(
+        "no",
+        "auto: the CPU has native bf16 (avx512_bf16, no AMX) and multiplies matrices 0.7x as fast "
+        "in bf16 (bf16 pays from 1.3x), so fp32",
+    )
+    assert cpu.choose_precision("auto", with_bf16, bf16_speedup=1.29).mixed_precision == "no"
+    assert cpu.choose_precision("auto", with_bf16, bf16_speedup=1.3).mixed_precision == "bf16"
+    asked = cpu.choose_precision("bf16", with_bf16, bf16_speedup=0.7)
+    assert (asked.mixed_precision, asked.warning) == (
+        "bf16",
+        "this CPU multiplies matrices 0.7x as fast in bf16 as in fp32: mixed_precision='auto' "
+        "(fp32 here) trains faster",
+    )
+    assert cpu.choose_precision("bf16", with_bf16, bf16_speedup=1.0).warning is None
+    # AMX is not measured: its bf16 tiles are many times fp32's speed
+    monkeypatch.setattr(cpu, "bf16_gemm_speedup", lambda: pytest.fail("measured an AMX CPU"))
+    assert cpu.choose_precision("auto", frozenset({"avx512_bf16", "amx_bf16"})).mixed_precision == "bf16"
+    assert cpu.choose_precision("bf16", frozenset({"amx_bf16"})).warning is None
+
+
+def test_the_bf16_speedup_is_measured_on_one_thread_once():
+    cpu.bf16_gemm_speedup.cache_clear()
+    threads = torch.get_num_threads()
+    speedup = cpu.bf16_gemm_speedup()
+    assert 0.01 < speedup < 100 and torch.get_num_threads() == threads
+    assert cpu.bf16_gemm_speedup() is speedup  # once per process
+    assert cpu.bf16_gemm_speedup.cache_info().misses == 1
+    if cpu.has_native_bf16() and "amx_bf16" not in cpu.cpu_flags():
+        auto = cpu.choose_precision("auto")
+        assert auto.mixed_precision == ("bf16" if speedup >= cpu.BF16_GEMM_SPEEDUP_NEEDED else "no")
+        assert f"multiplies matrices {speedup:.1f}x as fast in bf16" in auto.reason
 
 
 def test_bf16_asked_for_without_native_bf16_is_kept_with_a_warning():

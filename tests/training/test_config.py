@@ -303,7 +303,7 @@ def test_bad_command_line_values_are_config_errors_listing_all(tmp_path):
         "command line: invalid training settings: resolution='abc': expected a whole number, e.g. 512; "
         "adam_beta1='1.5': must be at least 0 and less than 1 (e.g. 0.9); "
         "mixed_precision='fp16': must be one of auto, no, bf16 (fp16 is a GPU format: on a CPU use auto, "
-        "which picks bf16 where it is native)"
+        "which picks bf16 where it is native and faster)"
     )
 
 
