@@ -19,7 +19,7 @@ at the same path, ``<output_dir>/launch/status``) and each rank of ``helpers.tra
 
 A rank that is not a process of its own (a Ray Train worker runs the engine inside a long-lived
 actor) calls :func:`finish` when its training function ends, which frees the lock as an exit
-would; :func:`add_listener` lets such a rank see every beat (e.g. to report each step to Ray)."""
+would."""
 
 from __future__ import annotations
 
@@ -71,12 +71,6 @@ _reporter: _Reporter | None = None
 
 
 _finished = threading.Event()
-
-
-Listener = Callable[[str, int | None], None]  # (state, step)
-
-
-_listeners: list[Listener] = []
 
 
 def start() -> None:
@@ -150,13 +144,7 @@ def _follow(launcher: Path, gone: Callable[[], None]) -> None:
 
 
 def beat(state: str, step: int | None = None) -> None:
-    """Report progress: ``state`` (e.g. ``training``, ``saving``, ``waiting``) and the step.
-
-    Every listener (:func:`add_listener`) is called first, in this thread; an exception it raises
-    propagates to the caller (the training loop), as the failure of this rank.
-    """
-    for listener in list(_listeners):
-        listener(state, step)
+    """Report progress: ``state`` (e.g. ``training``, ``saving``, ``waiting``) and the step."""
     r = _reporter
     if r is None:
         return
@@ -186,17 +174,6 @@ def finish(succeeded: bool = True) -> None:
     _finished.set()  # a launcher that ends after this rank must not stop its process (a Ray actor)
     if r is not None:
         os.close(r.lock_fd)  # closing the only descriptor releases the flock
-
-
-def add_listener(listener: Listener) -> None:
-    """Call ``listener(state, step)`` at every :func:`beat` of this process, until removed."""
-    _listeners.append(listener)
-
-
-def remove_listener(listener: Listener) -> None:
-    """Stop calling ``listener`` (no error if it is not registered)."""
-    if listener in _listeners:
-        _listeners.remove(listener)
 
 
 def lock_held(path: Path) -> bool:

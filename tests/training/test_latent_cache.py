@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -64,15 +65,15 @@ class VaeCounter:
 def _run(tmp_path, name, vae: VaeCounter, **overrides):
     alive_while_training = []
 
-    def listener(state, step):
+    beat = status.beat
+
+    def watching_beat(state, step=None):
         if state == "training":
             alive_while_training.append(vae.alive())
+        beat(state, step)
 
-    status.add_listener(listener)
-    try:
+    with mock.patch.object(status, "beat", watching_beat):
         result = ti.train(tiny_config(tmp_path, name, **overrides))
-    finally:
-        status.remove_listener(listener)
     assert alive_while_training == [0] * 6  # no VAE in memory at any step
     embeds = load_file(result.learned_embeds_path)["<dicoo>"]
     return embeds, [h["loss"] for h in result.history], result.summary["startup"]
