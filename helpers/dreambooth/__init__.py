@@ -12,7 +12,7 @@ pipeline with the LoRA fused in.
 * :mod:`~helpers.dreambooth.class_images`: the class pictures, generated when missing (resumable, split
   across processes, reused).
 * :mod:`~helpers.dreambooth.data`: subject/class pairs and their views (one cached latent per picture).
-* :mod:`~helpers.dreambooth.lora`: the LoRA layers, the file, both loaders, the fused pipeline.
+* :mod:`~helpers.dreambooth.lora`: the LoRA layers, the file and its stock loader, the fused pipeline.
 * :mod:`~helpers.dreambooth.training`: the training loop (the textual-inversion engine's cached latents
   and keyed draws; only the LoRA matrices trained and all-reduced).
 * :mod:`~helpers.dreambooth.saving`: the run's folder, checkpoints, resumption, samples, final outputs.
@@ -46,7 +46,6 @@ _LAZY = {
     "LORA_WEIGHTS": "lora",
     "add_lora": "lora",
     "lora_file": "lora",
-    "load_lora_pipeline": "lora",
     "stock_lora_pipeline": "lora",
     "save_fused_pipeline": "lora",
     "save_lora_weights": "lora",

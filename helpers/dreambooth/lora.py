@@ -9,8 +9,8 @@ attention projection ``W`` becomes ``W + B A`` with ``A`` (rank x in) drawn from
 ``pytorch_lora_weights.safetensors`` holds them under diffusers' names (``unet.<module>.lora.down
 .weight`` = ``A``, ``...lora.up.weight`` = ``B``; ``text_encoder.<module>.lora_linear_layer...``),
 written by diffusers' own ``save_lora_weights``, so ``StableDiffusionPipeline.load_lora_weights``
-reads it. :func:`load_lora_pipeline` is the other way in: the training code's adapters filled from
-that file by name, which the tests hold to the same images as the stock loader.
+reads it (the tests hold it to the training code's adapters filled from that file by name: the
+same images).
 
 SDXL: the same adapters go on its UNet (and, with ``text_encoder_2``, on its second text encoder,
 as diffusers' ``train_dreambooth_lora_sdxl.py`` adds them), and the file is written by
@@ -287,29 +287,6 @@ def base_pipeline(model: str | os.PathLike):
     return family.diffusers_class().from_pretrained(
         path, torch_dtype=torch.float32, **dict(family.pipeline_extras)
     )
-
-
-def _text_encoders(pipe) -> tuple:
-    """A pipeline's text encoders, ``(text_encoder, text_encoder_2 or None)``."""
-    return pipe.text_encoder, getattr(pipe, "text_encoder_2", None)
-
-
-def load_lora_pipeline(model: str | os.PathLike, lora: str | os.PathLike):
-    """The base pipeline (fp32) with the training code's LoRA layers, filled from ``lora``.
-
-    The stock way, ``pipe.load_lora_weights(output_dir)``, gives the same pictures (tested).
-
-    Args:
-        model: the base model the LoRA was trained on (``"toyworld"``, a folder, a Hub id).
-        lora: the run's output_dir or its ``pytorch_lora_weights.safetensors``.
-    """
-    state, rank = read_lora_file(lora)  # checked before the model loads
-    pipe = base_pipeline(model)
-    has_text = any(k.startswith("text_encoder.") for k in state)
-    encoder, encoder_2 = (e if has_text else None for e in _text_encoders(pipe))
-    add_lora(pipe.unet, encoder, rank, text_encoder_2=encoder_2)
-    copy_lora_weights(state, pipe.unet, encoder, encoder_2)
-    return pipe
 
 
 def stock_lora_pipeline(model: str | os.PathLike, lora: str | os.PathLike):

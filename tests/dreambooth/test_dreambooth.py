@@ -386,12 +386,24 @@ def _images(pipe, prompt="a photo of sks toy"):
     ).images
 
 
+def _our_lora_pipeline(model, lora_path):
+    """The base pipeline with the training code's LoRA layers (add_lora) filled from the file by name."""
+    state, rank = lora.read_lora_file(lora_path)
+    pipe = lora.base_pipeline(model)
+    has_text = any(k.startswith("text_encoder.") for k in state)
+    encoders = (pipe.text_encoder, getattr(pipe, "text_encoder_2", None))
+    encoder, encoder_2 = (e if has_text else None for e in encoders)
+    lora.add_lora(pipe.unet, encoder, rank, text_encoder_2=encoder_2)
+    lora.copy_lora_weights(state, pipe.unet, encoder, encoder_2)
+    return pipe
+
+
 def test_lora_file_loads_in_stock_diffusers_and_gives_our_loaders_images(run):
     from helpers.inference import image_max_abs_diff, load_pytorch_pipeline
 
     _, result, _ = run
     stock = _images(lora.stock_lora_pipeline("tiny", result.output_dir))  # pipe.load_lora_weights(output_dir)
-    ours = _images(lora.load_lora_pipeline("tiny", result.lora_weights_path))
+    ours = _images(_our_lora_pipeline("tiny", result.lora_weights_path))
     base = _images(load_pytorch_pipeline(models.resolve_model("tiny")))
     assert image_max_abs_diff(stock, ours) == 0
     assert image_max_abs_diff(stock, base) > 0  # the LoRA changes the pictures
