@@ -256,30 +256,19 @@ def load_components(
     )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """CLIP's reversible byte -> printable-unicode table (the 256 base symbols of its BPE)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    codes = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, codes), strict=True))
-
-
 def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """CLIP's vocabulary (49,408 tokens) and BPE merges, from the bundled ``bpe_simple_vocab_16e6``.
 
     Built the way CLIP builds it: 256 byte symbols, their ``</w>`` forms, merges 1..48894,
     then ``<|startoftext|>`` and ``<|endoftext|>``.
     """
+    # CLIP's reversible byte -> printable-unicode table (the 256 base symbols of its BPE), GPT-2's
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     with gzip.open(CLIP_VOCAB_FILE, "rt", encoding="utf-8") as fh:
         lines = fh.read().split("\n")
     merges = [tuple(line.split()) for line in lines[1 : 49152 - 256 - 2 + 1]]
-    symbols = list(_bytes_to_unicode().values())
+    symbols = list(bytes_to_unicode().values())
     tokens = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
     return {tok: i for i, tok in enumerate(tokens)}, merges
