@@ -33,7 +33,7 @@ def main(args: TrainConfig) -> TrainResult:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.core.errors.run_training_cli`."""
+    """Entry point, as every ``python -m helpers.<x>``: see :func:`helpers.training.engine.command.run_command`."""
     return run_command(main, parse_args, argv)
 
 

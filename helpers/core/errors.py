@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -167,50 +166,3 @@ def exit_with(cli: Callable[[], int]) -> NoReturn:
     code = cli()
     gc.freeze()
     raise SystemExit(code)
-
-
-def run_training_cli(
-    main: Callable[[Any], Any],
-    parse_args: Callable[[list[str] | None], Any],
-    argv: list[str] | None,
-    start: Callable[[], Any],
-    interrupted: Callable[[Any], str],
-    interrupted_exit: int,
-    also: tuple[type[BaseException], ...] = (),
-    done: Callable[[], Any] = lambda: None,
-) -> int:
-    """:func:`run_cli` for a command that trains (``helpers.train``, ``helpers.dreambooth``).
-
-    Logs at INFO with times (accelerate's loggers only from WARNING: a line per checkpoint file
-    otherwise), calls ``start()`` first (the rank's lock and status under ``helpers.launch``) and
-    ``done()`` once the command has succeeded (the rank's report that it exits 0), and turns
-    Ctrl-C into the one line ``interrupted(settings)`` (how to go on: resume, or start over when
-    no checkpoint exists) and exit code ``interrupted_exit`` rather than the traceback of
-    wherever it hit. The training layer's pieces come as arguments:
-    this module is the lowest layer and imports none of them.
-
-    Returns:
-        The exit code.
-    """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("accelerate").setLevel(logging.WARNING)
-    try:
-        start()
-    except INPUT_ERRORS as err:  # e.g. a link planted at this rank's status lock
-        sys.stderr.write(f"error: {one_line(err)}\n")
-        return 2
-    parsed: list[Any] = []
-
-    def parse(arguments: list[str] | None) -> Any:
-        parsed.append(parse_args(arguments))
-        return parsed[-1]
-
-    try:
-        code = run_cli(main, parse, argv, also=also)
-    except KeyboardInterrupt:
-        # before the settings are read there is no run to speak of: the shell's own words suffice
-        sys.stderr.write(f"\n{interrupted(parsed[0]) if parsed else 'interrupted (Ctrl-C)'}\n")
-        return interrupted_exit
-    if code == 0:
-        done()
-    return code

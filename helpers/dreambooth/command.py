@@ -28,5 +28,5 @@ def main(config: DreamBoothConfig) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """Parse, train, and turn input problems into one clear line and exit code 2: see
-    :func:`helpers.core.errors.run_training_cli`."""
+    :func:`helpers.training.engine.command.run_command`."""
     return run_command(main, parse_args, argv)

@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from helpers.core.errors import InputError, run_training_cli
+from helpers.core.errors import InputError
 from helpers.launching import supervise
 from helpers.ranks import status
+from helpers.training.engine.command import run_command
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_a_folder_at_the_ranks_lock_is_one_line_and_exit_2(rank0, capsys):
         f"Fix: remove it (rm -r {lock}) and start the job again."
     )
     assert sorted(p.name for p in rank0.iterdir()) == ["rank0.lock"]  # nothing else left behind
-    code = run_training_cli(lambda args: 0, lambda argv: argv, [], status.start, lambda _: "interrupted", 130)
+    code = run_command(lambda args: 0, lambda argv: argv, [])
     assert code == 2 and capsys.readouterr().err == f"error: {err.value}\n"
 
 
