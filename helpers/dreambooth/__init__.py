@@ -28,8 +28,6 @@ import importlib
 from typing import Any
 
 from helpers.dreambooth.config import (
-    IGNORED_FLAGS,
-    UNSUPPORTED_DIFFUSERS_FLAGS,
     DreamBoothConfig,
     DreamBoothConfigError,
     parse_args,
@@ -58,8 +56,6 @@ _LAZY = {
 }
 
 __all__ = [
-    "IGNORED_FLAGS",
-    "UNSUPPORTED_DIFFUSERS_FLAGS",
     "DreamBoothConfig",
     "DreamBoothConfigError",
     "parse_args",

@@ -59,46 +59,38 @@ The parts: :mod:`~helpers.inference.concept` (where the concept is, checked befo
 :mod:`~helpers.inference.pytorch` and :mod:`~helpers.inference.openvino` (the two backends),
 :mod:`~helpers.inference.generation` (same latents, timing, saving), :mod:`~helpers.inference.parity`
 (OpenVINO against PyTorch), :mod:`~helpers.inference.command` (the CLI), and
-:mod:`~helpers.inference.common` (the error, tolerances, variant names). Everything is re-exported
-here: ``from helpers import inference; inference.generate(...)``.
+:mod:`~helpers.inference.common` (the error, tolerances, variant names). What notebooks and scripts
+use is re-exported here: ``from helpers import inference; inference.generate(...)``.
 """
 
-from helpers.core.outputs import LEARNED_EMBEDS
 from helpers.inference.command import cli, main, parse_args
 from helpers.inference.common import (
     BF16_VARIANT,
-    EXPORT_INFO,
     IMAGE_PSNR_MIN_DB,
     PSNR_IDENTICAL_DB,
-    QUANT_MODES,
     QUANT_VARIANT,
-    ROUTES,
     TEXT_ENCODER_ATOL,
     VARIANTS,
-    WEIGHT_FORMATS,
     InferenceInputError,
 )
 from helpers.inference.concept import (
-    ConceptSource,
     check_concept,
     find_concept,
     first_finished_run,
     learned_embeds_files,
     read_learned_embeds,
 )
-from helpers.inference.generation import Generation, generate, initial_latents, save_images, timing_rows
+from helpers.inference.generation import generate, save_images, timing_rows
 from helpers.inference.openvino import (
     CALIBRATION_SAMPLES,
     disk_megabytes,
     export_info,
     export_openvino,
-    insert_learned_embeds,
     load_openvino_pipeline,
     openvino_default_precision,
     reshape_static,
 )
 from helpers.inference.parity import (
-    Parity,
     compare,
     image_max_abs_diff,
     image_psnr,
@@ -111,20 +103,12 @@ from helpers.inference.pytorch import load_learned_embeds, load_pytorch_pipeline
 __all__ = [
     "BF16_VARIANT",
     "CALIBRATION_SAMPLES",
-    "EXPORT_INFO",
     "IMAGE_PSNR_MIN_DB",
-    "LEARNED_EMBEDS",
     "PSNR_IDENTICAL_DB",
-    "QUANT_MODES",
     "QUANT_VARIANT",
-    "ROUTES",
     "TEXT_ENCODER_ATOL",
     "VARIANTS",
-    "WEIGHT_FORMATS",
-    "ConceptSource",
-    "Generation",
     "InferenceInputError",
-    "Parity",
     "check_concept",
     "cli",
     "compare",
@@ -136,8 +120,6 @@ __all__ = [
     "generate",
     "image_max_abs_diff",
     "image_psnr",
-    "initial_latents",
-    "insert_learned_embeds",
     "learned_embeds_files",
     "load_learned_embeds",
     "load_openvino_pipeline",

@@ -14,17 +14,11 @@ The built models ship in ``helpers/assets/toyworld`` and ``helpers/assets/toywor
 manifests; ``models.resolve_model("toyworld")`` and ``("toyworld-xl")`` return those folders.
 """
 
-from helpers.toyworld.evaluate import ConceptReport, before_training_report, concept_report, pip_score, score
-from helpers.toyworld.world import PIP_SHOTS, Scene, render, render_pip_pictures
+from helpers.toyworld.evaluate import ConceptReport, before_training_report, concept_report, pip_score
 
 __all__ = [
-    "PIP_SHOTS",
     "ConceptReport",
-    "Scene",
     "before_training_report",
     "concept_report",
     "pip_score",
-    "render",
-    "render_pip_pictures",
-    "score",
 ]

@@ -24,13 +24,12 @@ The parts: :mod:`~helpers.cluster.azure.spec` (the cluster description and its c
 :mod:`~helpers.cluster.azure.provision` (plan, script, apply, teardown), :mod:`~helpers.cluster.azure.azcli`
 (one ``az`` command run in-process), :mod:`~helpers.cluster.azure.access` (state, ssh config, hostfile,
 host keys), :mod:`~helpers.cluster.azure.cost` (the estimate), :mod:`~helpers.cluster.azure.command` (the CLI).
-Everything is re-exported here: ``from helpers import azure; azure.plan(spec)``.
+What notebooks and scripts use is re-exported here: ``from helpers.cluster import azure; azure.plan(spec)``.
 """
 
 from helpers.cluster.azure.access import (
     ClusterState,
     ClusterStateError,
-    Node,
     collect_host_keys,
     hostfile,
     known_hosts_commands,
@@ -40,11 +39,8 @@ from helpers.cluster.azure.access import (
 )
 from helpers.cluster.azure.azcli import NOT_FOUND_EXIT_CODE, AzCommand, AzCommandError, AzResult, run_az
 from helpers.cluster.azure.command import cli, main, parse_args
-from helpers.cluster.azure.cost import CostEstimate, estimate_cost
+from helpers.cluster.azure.cost import estimate_cost
 from helpers.cluster.azure.provision import (
-    STATE_QUERY,
-    TORCH_CPU_INDEX,
-    ApplyResult,
     apply,
     cloud_init,
     format_plan,
@@ -54,7 +50,6 @@ from helpers.cluster.azure.provision import (
     to_script,
 )
 from helpers.cluster.azure.spec import (
-    OPEN_TO_EVERYONE,
     PLACEHOLDER,
     AzureSpecError,
     ClusterSpec,
@@ -64,11 +59,7 @@ from helpers.cluster.azure.spec import (
 
 __all__ = [
     "NOT_FOUND_EXIT_CODE",
-    "OPEN_TO_EVERYONE",
     "PLACEHOLDER",
-    "STATE_QUERY",
-    "TORCH_CPU_INDEX",
-    "ApplyResult",
     "AzCommand",
     "AzCommandError",
     "AzResult",
@@ -76,8 +67,6 @@ __all__ = [
     "ClusterSpec",
     "ClusterState",
     "ClusterStateError",
-    "CostEstimate",
-    "Node",
     "UnknownVmSizeWarning",
     "apply",
     "cli",
