@@ -19,7 +19,7 @@ pipeline with the LoRA fused in.
 * :mod:`~helpers.dreambooth.evaluate`: pictures, the toy world's judge, the comparison with Textual Inversion.
 * :mod:`~helpers.dreambooth.command`: ``python -m helpers.dreambooth``.
 
-The names below are importable from here; the heavy ones (torch, diffusers) load on first use.
+The names the notebooks use are importable from here, and load torch and diffusers on first use.
 """
 
 from __future__ import annotations
@@ -27,40 +27,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from helpers.dreambooth.config import (
-    DreamBoothConfig,
-    DreamBoothConfigError,
-    parse_args,
-)
-
 _LAZY = {
     "train": "training",
-    "DreamBoothResult": "training",
-    "check_inputs": "training",
-    "setup_run": "training",
-    "training_step": "training",
-    "dreambooth_loss": "training",
-    "prior_preservation_loss": "training",
-    "LORA_WEIGHTS": "lora",
-    "add_lora": "lora",
-    "lora_file": "lora",
-    "stock_lora_pipeline": "lora",
-    "save_fused_pipeline": "lora",
-    "save_lora_weights": "lora",
-    "ensure_class_images": "class_images",
     "lora_report": "evaluate",
     "class_share": "evaluate",
     "compare_methods": "evaluate",
-    "cli": "command",
-    "main": "command",
 }
 
-__all__ = [
-    "DreamBoothConfig",
-    "DreamBoothConfigError",
-    "parse_args",
-    *_LAZY,
-]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str) -> Any:
