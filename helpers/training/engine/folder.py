@@ -42,7 +42,6 @@ from helpers.training.engine.checkpoints import list_checkpoints
 # The lock lives in its own module; its names stay importable from here, where the trainers take them.
 from helpers.training.engine.lock import LOCK_FILE as LOCK_FILE
 from helpers.training.engine.lock import FolderLock as FolderLock
-from helpers.training.engine.lock import env_rank as env_rank
 from helpers.training.engine.lock import is_main_process as is_main_process
 
 logger = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ import stat
 import sys
 from pathlib import Path
 
+from helpers.ranks.status import rank_from_env
 from helpers.training.engine import TrainingInputError
 
 logger = logging.getLogger(__name__)
@@ -25,18 +26,9 @@ _LOCK_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a pl
 _HELD: dict[Path, FolderLock] = {}  # the folders this process holds: its own checks must not refuse them
 
 
-def env_rank() -> int | None:
-    """This process's global rank as the launchers set it (torchrun, Hydra/PMI, Open MPI), before
-    any process group exists; None outside a launcher."""
-    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
 def is_main_process() -> bool:
     """Whether this process is its job's main process (rank 0, or not launched as a rank)."""
-    return env_rank() in (None, 0)
+    return rank_from_env() in (None, 0)  # the launchers' variables: no process group yet
 
 
 class FolderLock:

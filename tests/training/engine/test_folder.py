@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers.ranks import status
 from helpers.training.engine import TrainingInputError
 from helpers.training.engine import folder as f
 
@@ -370,7 +371,7 @@ def test_other_ranks_neither_take_nor_check_the_lock(tmp_path, monkeypatch):
 def test_the_rank_comes_from_the_launchers_variables(env, rank, monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert f.env_rank() == rank
+    assert status.rank_from_env() == rank
     assert f.is_main_process() is (rank in (None, 0))
 
 
