@@ -37,7 +37,7 @@ from helpers.core.outputs import LEARNED_EMBEDS, MODEL_INDEX, SAMPLES
 from helpers.ranks import status
 from helpers.training import data, families, models
 from helpers.training.config import TrainConfig
-from helpers.training.engine import TrainingDivergedError, TrainingInputError, events, limits, loop, tracking
+from helpers.training.engine import TrainingInputError, events, limits, loop, tracking
 from helpers.training.engine.checkpoints import checkpoint_step
 from helpers.training.engine.encoder_rows import save_encoder_embeds
 from helpers.training.engine.folder import (
@@ -86,7 +86,6 @@ __all__ = [
     "StepParts",
     "TextualInversion",
     "TrainResult",
-    "TrainingDivergedError",
     "TrainingInputError",
     "add_placeholder_tokens",
     "cache_latents",
@@ -142,12 +141,11 @@ class CheckedInputs:
     tokenizer_2: Any = None
 
 
-def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
+def check_inputs(config: TrainConfig) -> CheckedInputs:
     """Every cheap check of a run, before any model is resolved or loaded.
 
     IPEX if asked for, the output folder (:func:`helpers.training.engine.folder.check_output_dir`),
-    the images, the checkpoint to resume (:func:`helpers.training.engine.loop.check_resume`) and,
-    given the tokenizer, the tokens.
+    the images and the checkpoint to resume (:func:`helpers.training.engine.loop.check_resume`).
 
     Raises:
         TrainingInputError, helpers.training.data.ImageFolderError: one message with the fix.
@@ -166,13 +164,7 @@ def check_inputs(config: TrainConfig, tokenizer=None) -> CheckedInputs:
         len(images) * config.repeats,
         f"{len(images)} pictures x repeats {config.repeats}",
     )
-    ckpt = loop.check_resume(config, folder)
-    if tokenizer is not None:
-        templates = data.prompt_templates(config.learnable_property)
-        check_tokens(
-            tokenizer, config.placeholder_token, config.initializer_token, config.num_vectors, templates
-        )
-    return CheckedInputs(images, folder, ckpt)
+    return CheckedInputs(images, folder, loop.check_resume(config, folder))
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -216,7 +208,8 @@ class TextualInversion(loop.Method):
     @contextlib.contextmanager
     def running(self, run: Run) -> Iterator[None]:
         """The full pipeline's unchanged weights go to disk while the steps run, not after them."""
-        run.copied = PipelineCopy(run.model_dir, run.output_dir) if writes_pipeline(run) else None
+        writes = run.config.save_as_full_pipeline and run.accelerator.is_main_process  # at the end
+        run.copied = PipelineCopy(run.model_dir, run.output_dir) if writes else None
         try:
             yield
         finally:
@@ -284,8 +277,3 @@ class TextualInversion(loop.Method):
 
 
 METHOD = TextualInversion()
-
-
-def writes_pipeline(run: Run) -> bool:
-    """Whether this process saves the full pipeline at the end (``--save_as_full_pipeline``, main process)."""
-    return run.config.save_as_full_pipeline and run.accelerator.is_main_process
