@@ -38,6 +38,7 @@ on localhost).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -171,11 +172,9 @@ def _resolves(host: str) -> bool:
     """True if ``host`` has an address here, directly or through the ssh config's HostName."""
 
     names = [host]
-    try:
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # no ssh here: the name itself must resolve
         out = subprocess.run(["ssh", "-G", host], capture_output=True, text=True, timeout=10)
         names += [ln.split(None, 1)[1] for ln in out.stdout.splitlines() if ln.startswith("hostname ")]
-    except (OSError, subprocess.TimeoutExpired):
-        pass  # no ssh here: the name itself must resolve
     for name in names:
         try:
             socket.getaddrinfo(name, None)

@@ -41,13 +41,10 @@ def _sibling(path: Path, tag: str) -> Path:
 
 def current_umask() -> int:
     """The process's umask, read without changing it where Linux shows it (``/proc/self/status``)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)  # elsewhere: the only portable way is to set it and put it back
     os.umask(mask)
     return mask

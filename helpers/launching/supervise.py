@@ -33,10 +33,8 @@ def _tree(procs: Sequence[subprocess.Popen]) -> list[psutil.Process]:
     """The commands' descendants here (ranks, proxies), found before any is signalled."""
     found = []
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             found += psutil.Process(p.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
     return found
 
 
@@ -53,15 +51,11 @@ def stop(
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
         for child in tree:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 child.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
         for host, pid in remote:
             kill = [*ssh, "-o", "BatchMode=yes", host, f"kill -{sig.name[3:]} {pid}"]
             subprocess.run(kill, capture_output=True, timeout=30, check=False)

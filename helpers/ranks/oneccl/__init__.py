@@ -432,10 +432,8 @@ def environment(
             ("CCL_SPIN_COUNT", "1", "and spin once before yielding"),
         ]
     if not _official_importable():
-        try:
+        with contextlib.suppress(CclUnavailable):
             env += _fabric_pins(find())
-        except CclUnavailable:
-            pass
     return env
 
 

@@ -35,6 +35,7 @@ cache folder (:func:`helpers.training.models.cache_dir`). Off: ``--no-latent_cac
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -108,12 +109,10 @@ def file_digest(path: Path, memo_dir: Path | None = None) -> str:
     if memo_dir is not None and st.st_size >= _MEMO_MIN_BYTES:
         stamp = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}"
         memo = memo_dir / f"{hashlib.sha256(stamp.encode()).hexdigest()}.sha256"
-        try:
+        with contextlib.suppress(OSError):  # not remembered yet (or unreadable): hash it
             known = memo.read_text().strip()
             if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
                 return known
-        except OSError:
-            pass  # not remembered yet (or unreadable): hash it
     with open(path, "rb") as fh:
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
     if memo is not None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -159,11 +160,9 @@ class FolderLock:
         """Remove the lock file and free the lock (the file first, so nobody locks a removed file)."""
         if self._fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):  # the folder went away: nothing to clean
             if _same_file(self._fd, self.path):
                 self.path.unlink()
-        except OSError:
-            pass  # the folder went away: nothing to clean
         os.close(self._fd)
         self._fd = None
         _HELD.pop(self.path.absolute(), None)
