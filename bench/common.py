@@ -80,11 +80,14 @@ CPU_FLOPS = {
 
 
 def model_dir(name: str) -> Path:
-    """``tiny``, ``sd15-shape`` (both built offline and cached) or a local diffusers folder."""
+    """``tiny``, ``sd15-shape``, ``sdxl-shape`` (built offline and cached), another name
+    :func:`helpers.training.models.resolve_model` knows (``tiny-xl``), or a local diffusers folder."""
     if name == models.TINY:
         return models.tiny_pipeline_dir()
     if name == models.SD15_SHAPE:
         return models.sd15_shape_pipeline_dir()
+    if name == models.SDXL_SHAPE:
+        return models.sdxl_shape_pipeline_dir()
     return models.resolve_model(name)
 
 

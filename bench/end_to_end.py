@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from bench import common, startup
 from helpers.core import cpu
-from helpers.training import models
+from helpers.training import families, models
 from helpers.training.config import parse_args as train_args
 
 MODES = ("ours", "ours_warm", "reference")
@@ -65,7 +65,11 @@ def guide_flags(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.end_to_end", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="sd15-shape", help="sd15-shape, tiny or a local diffusers folder")
+    parser.add_argument(
+        "--model",
+        default="sd15-shape",
+        help="sd15-shape, sdxl-shape, tiny, tiny-xl or a local diffusers folder",
+    )
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30, help="--max_train_steps of the command")
     parser.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
@@ -95,9 +99,13 @@ def reference(argv: list[str]) -> dict[str, Any]:
     from diffusers import StableDiffusionPipeline
 
     config = train_args(argv)
+    model = models.resolve_model(config.pretrained_model_name_or_path)
+    if families.family_of(model).name == "sdxl":
+        from bench import reference_sdxl
+
+        return reference_sdxl.run(config, HISTORY)
     cpu.set_threads(None)  # the same thread count as the engine
     torch.manual_seed(config.seed)
-    model = models.resolve_model(config.pretrained_model_name_or_path)
     setup = common.load_setup(
         model,
         Path(config.train_data_dir),

@@ -467,6 +467,32 @@ def test_reference_program_trains_only_the_new_row_and_saves_the_guides_layout(t
     assert 0 < (new[-1] - old[toy]).abs().max() < 0.05
 
 
+def test_sdxl_reference_program_trains_only_the_new_rows_of_both_encoders(tmp_path):
+    """On an SDXL pipeline the reference is shaped like diffusers' textual_inversion_sdxl.py: both
+    encoders' whole matrices in AdamW with the other rows put back, two embedding files."""
+    from safetensors.torch import load_file
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    model = models.resolve_model("tiny-xl")
+    (toy,) = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer").encode(
+        "toy", add_special_tokens=False
+    )
+    out = tmp_path / "out"
+    flags = end_to_end.guide_flags(model, common.concept_dir(64, tmp_path / "concept"), 64, 2, "no", out)
+    history = end_to_end.reference(flags)
+    assert len(history["step_seconds"]) == 2
+    for cls, sub, name in (
+        (CLIPTextModel, "text_encoder", "learned_embeds.safetensors"),
+        (CLIPTextModelWithProjection, "text_encoder_2", "learned_embeds_2.safetensors"),
+    ):
+        old = cls.from_pretrained(model, subfolder=sub).get_input_embeddings().weight
+        new = cls.from_pretrained(out, subfolder=sub).get_input_embeddings().weight  # the full pipeline
+        learned = load_file(out / name)
+        assert new.shape[0] == old.shape[0] + 1 and torch.equal(new[: old.shape[0]], old)
+        assert list(learned) == ["<dicoo>"] and torch.equal(learned["<dicoo>"][0], new[-1])
+        assert 0 < (new[-1] - old[toy]).abs().max() < 0.05  # 2 AdamW steps at 2e-3 from "toy"
+
+
 def test_end_to_end_benchmark_on_tiny(tmp_path):
     """Three whole processes: ours fills the latent cache, the re-run reads it, the reference runs."""
     out = tmp_path / "e2e.json"
