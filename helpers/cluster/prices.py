@@ -92,10 +92,7 @@ NOT_ESTIMATED = "OS disks, data transfer and NAT gateway data processing are not
 
 def size_series(vm_size: str) -> SizeSeries | None:
     """The table row for ``vm_size`` (e.g. ``"Standard_D8_v5"``), or ``None`` if it is not in the table."""
-    for row in SIZE_SERIES:
-        if re.fullmatch(row.pattern, vm_size):
-            return row
-    return None
+    return next((row for row in SIZE_SERIES if re.fullmatch(row.pattern, vm_size)), None)
 
 
 def vcpus(vm_size: str) -> int | None:

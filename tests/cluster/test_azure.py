@@ -599,7 +599,7 @@ def test_state_orders_head_first_then_workers_naturally(tmp_path):
     rows = ROWS + [dict(ROWS[0], name="sdw-worker-10", private_ip="10.42.1.14")]
     state = azure.ClusterState.from_vm_list(rows)
     assert [n.name for n in state.nodes] == ["sdw-head", "sdw-worker-1", "sdw-worker-2", "sdw-worker-10"]
-    assert (state.head.public_ip, state.workers[0].public_ip) == ("198.51.100.20", None)
+    assert (state.head.public_ip, state.nodes[1].public_ip) == ("198.51.100.20", None)
     assert azure.ClusterState.load(state.save(tmp_path / "s.json")) == state
     (tmp_path / "rows.json").write_text(json.dumps(rows))  # what the dry-run script saves
     assert azure.ClusterState.load(tmp_path / "rows.json") == state

@@ -52,10 +52,6 @@ class ClusterState:
     def head(self) -> Node:
         return self.nodes[0]
 
-    @property
-    def workers(self) -> tuple[Node, ...]:
-        return self.nodes[1:]
-
     @classmethod
     def from_vm_list(cls, rows: Iterable[Mapping[str, Any]] | None) -> ClusterState:
         """Build the state from ``az vm list --show-details --query STATE_QUERY`` rows."""

@@ -17,7 +17,7 @@ encoder in diffusers' layout, ``{placeholder_token: FloatTensor[num_vectors, wid
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,27 +33,25 @@ def add_placeholder_rows(
     placeholder_token: str,
     initializer_token: str,
     num_vectors: int = 1,
-    templates: Iterable[str] = (),
 ) -> list[list[int]]:
     """Add the placeholder tokens to every tokenizer and their rows (initialised) to every encoder.
 
     Every tokenizer is checked before anything is added (:func:`~helpers.training.engine.rows.check_tokens`),
-    so a bad token leaves all of them unchanged.
+    so a bad token leaves all of them unchanged. That the vectors fit in the run's prompt templates
+    is checked before the model loads (the method's ``check_inputs``).
 
     Args:
         tokenizers, text_encoders: one pair per encoder, in the family's order.
-        templates: the prompt templates the run trains with (each must leave room for the vectors).
 
     Returns:
         Each encoder's new token ids.
 
     Raises:
-        TrainingInputError: a token is not new, the initializer is not one token, or the vectors do
-            not fit in a prompt, in any of the tokenizers.
+        TrainingInputError: a token is not new or the initializer is not one token, in any of the
+            tokenizers.
     """
-    templates = list(templates)
     for tokenizer in tokenizers:
-        check_tokens(tokenizer, placeholder_token, initializer_token, num_vectors, templates)
+        check_tokens(tokenizer, placeholder_token, initializer_token, num_vectors)
     return [
         add_placeholder_tokens(tokenizer, encoder, placeholder_token, initializer_token, num_vectors)
         for tokenizer, encoder in zip(tokenizers, text_encoders, strict=True)
