@@ -195,10 +195,6 @@ class AllreduceCounter:
         return allreduce_hook(None, bucket)
 
 
-def _plain_backward(loss: torch.Tensor) -> None:
-    loss.backward()
-
-
 @dataclass(frozen=True)
 class Names:
     """How a method names what it trains, in the messages of a run that diverged or got no gradient.
@@ -279,7 +275,7 @@ class StepParts(Update):
     scaling_factor: float
     seed: int
     autocast: Callable[[], AbstractContextManager] = nullcontext
-    backward: Callable[[torch.Tensor], None] = _plain_backward
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
     family: Family = sd1.FAMILY
     text_encoder_2: torch.nn.Module | None = None
     learned_2: torch.nn.Module | None = None
