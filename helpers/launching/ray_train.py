@@ -530,8 +530,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(args: argparse.Namespace) -> int:
     """Connect, check, train, and end the runtime whatever happens; return the exit code."""
-    for name, value in DRIVER_ENV.items():
-        os.environ[name] = value
+    os.environ.update(DRIVER_ENV)
     if args.ray_address is None:  # a private runtime: a token for this run only, nothing in ~/.ray
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     signal.signal(signal.SIGTERM, supervise.interrupt)  # helpers.launch stops a job with TERM: clean up first

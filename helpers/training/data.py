@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.core.sources import classify_source
@@ -398,9 +398,6 @@ def download_concept(
     return images_dir
 
 
-_EXIF_ORIENTATION = 0x0112
-
-
 def picture_size(path: str | os.PathLike) -> tuple[int, int]:
     """``(height, width)`` of a picture as the trainers load it (after its EXIF rotation).
 
@@ -408,7 +405,7 @@ def picture_size(path: str | os.PathLike) -> tuple[int, int]:
     """
     with Image.open(path) as img:
         width, height = img.size
-        if img.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8):
+        if img.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):
             width, height = height, width
     return height, width
 
