@@ -154,14 +154,11 @@ def run_once(
         argv = [sys.executable, "-m", "helpers.train", *flags, "--latent_cache_dir", str(cache)]
     env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
     timeout = args.timeout or 600 + 30 * args.steps
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{mode} did not finish within {timeout:.0f} s (--timeout)") from exc
-    wall = time.monotonic() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    returncode, wall, peak_kib = _run_measured(argv, tmp, env, timeout, tmp / f"{mode}.log")
+    if returncode is None:
+        raise RuntimeError(f"{mode} did not finish within {timeout:.0f} s (--timeout)")
+    if returncode != 0:
+        raise RuntimeError(f"{mode} failed ({returncode}):\n{(tmp / f'{mode}.log').read_text()[-3000:]}")
     cache = None
     if mode == "reference":
         history = json.loads((out / HISTORY).read_text())
@@ -183,7 +180,29 @@ def run_once(
         "seconds_per_step": statistics.median(steady),
         "steps_recorded": len(steps),
         "latent_cache": cache,
+        "peak_rss_gib": peak_kib / 2**20,
     }
+
+
+def _run_measured(
+    argv: list[str], cwd: Path, env: dict[str, str], timeout: float, log: Path
+) -> tuple[int | None, float, int]:
+    """Run ``argv`` with its output in ``log``; its exit code (None: killed at ``timeout``), wall
+    seconds, and peak resident memory in KiB (``wait4``'s ``ru_maxrss``: this child's alone)."""
+    start = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+            return proc.returncode, time.monotonic() - start, usage.ru_maxrss
+        if time.monotonic() - start > timeout:
+            proc.kill()
+            _, _, usage = os.wait4(proc.pid, 0)
+            proc.returncode = -9
+            return None, time.monotonic() - start, usage.ru_maxrss
+        time.sleep(0.05)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,6 +228,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     flush=True,
                 )
     fields = ("wall_seconds", "process_seconds_to_first_step", "first_step_seconds", "seconds_per_step")
+    fields += ("peak_rss_gib",)
     medians = {
         m: {f: statistics.median(r[f] for r in runs if r["mode"] == m) for f in fields} for m in args.modes
     }
@@ -247,8 +267,8 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         "the reference-style program of `bench/end_to_end.py`):",
         "",
         "| model | px | precision | steps | reference, s | ours (first run), s | ours (re-run), s "
-        "| reference / ours | reference / ours re-run | s/step reference / ours |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| reference / ours | reference / ours re-run | s/step reference / ours | peak RSS reference / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = sorted(
         results, key=lambda r: (r["model"], r["resolution"], r["mixed_precision"] != "no", r["steps"])
@@ -260,12 +280,17 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         per_step = (
             f"{ref['seconds_per_step']:.2f} / {ours['seconds_per_step']:.2f} s" if ref and ours else "-"
         )
+        peak = (
+            f"{ref['peak_rss_gib']:.1f} / {ours['peak_rss_gib']:.1f} GiB"
+            if ref and ours and "peak_rss_gib" in ref  # measured since the SDXL runs
+            else "-"
+        )
         first = f"**{r['speedup_ours']:.2f}x**" if "speedup_ours" in r else "-"
         rerun = f"{r['speedup_ours_warm']:.2f}x" if "speedup_ours_warm" in r else "-"
         lines.append(
             f"| {r['model']} | {r['resolution']} | {'bf16' if r['mixed_precision'] == 'bf16' else 'fp32'} | "
             f"{r['steps']} | {wall.get('reference', '-')} | {wall.get('ours', '-')} | "
-            f"{wall.get('ours_warm', '-')} | {first} | {rerun} | {per_step} |"
+            f"{wall.get('ours_warm', '-')} | {first} | {rerun} | {per_step} | {peak} |"
         )
     return lines
 

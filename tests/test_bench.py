@@ -508,13 +508,16 @@ def test_end_to_end_benchmark_on_tiny(tmp_path):
     assert caches["reference"] is None
     for r in result["runs"]:
         assert 0 < r["process_seconds_to_first_step"] < r["wall_seconds"]
+        # each child's own peak (wait4), above torch and the tiny model, far below a 2 GiB budget
+        assert 0.3 < r["peak_rss_gib"] < 2
     m = result["medians"]
     assert result["speedup_ours"] == m["reference"]["wall_seconds"] / m["ours"]["wall_seconds"]
     rows = end_to_end.table([result])
     assert rows[-1].startswith("| tiny | 64 | fp32 | 2 | ")
     assert rows[-1].endswith(
         f"| **{result['speedup_ours']:.2f}x** | {result['speedup_ours_warm']:.2f}x | "
-        f"{m['reference']['seconds_per_step']:.2f} / {m['ours']['seconds_per_step']:.2f} s |"
+        f"{m['reference']['seconds_per_step']:.2f} / {m['ours']['seconds_per_step']:.2f} s | "
+        f"{m['reference']['peak_rss_gib']:.1f} / {m['ours']['peak_rss_gib']:.1f} GiB |"
     )
 
 
