@@ -393,8 +393,7 @@ def _judge_batch(cfg: BuildConfig, step: int, vae, size: int, held_out: bool = F
     half = size // 2
     with torch.no_grad():
         x[:half] = vae.decode(vae.encode(x[:half]).latent_dist.mean).sample.clamp(-1, 1)
-    labels = Judge.labels(scenes)
-    return x, labels
+    return x, Judge.labels(scenes)
 
 
 def train_judge(cfg: BuildConfig, work: Path, vae) -> tuple[Judge, dict[str, float]]:
@@ -423,7 +422,7 @@ def train_judge(cfg: BuildConfig, work: Path, vae) -> tuple[Judge, dict[str, flo
     x, labels = _judge_batch(cfg, 0, vae, 600, held_out=True)
     with torch.no_grad():
         acc = judge.accuracy(x, labels)
-    return judge, {**acc, "final_loss": float(np.mean(state["losses"][-50:])) if state["losses"] else None}
+    return judge, {**acc, "final_loss": _tail_mean(state["losses"], 50)}
 
 
 def _sha256(path: Path) -> str:
@@ -577,7 +576,3 @@ def build(cfg: BuildConfig | XLBuildConfig, argv: list[str] | None = None) -> Pa
     replace_dir_atomic(out, fill)  # the model appears complete or not at all
     shutil.rmtree(work)
     return out
-
-
-def read_manifest(model_dir: str | os.PathLike) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / MANIFEST).read_text())

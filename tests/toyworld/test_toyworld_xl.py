@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,9 +22,14 @@ from helpers.training import models
 TINY_XL_BUILD = dict(num_scenes=24, unet_steps=2, unet_batch_size=2, eval_images=1, checkpoint_every=2)
 
 
+def read_manifest(model_dir) -> dict:
+    """A built model's ``manifest.json``."""
+    return json.loads((Path(model_dir) / build.MANIFEST).read_text())
+
+
 def reused_files() -> dict[str, str]:
     """Each file of an SDXL build that is toyworld's own, and the toyworld file it copies."""
-    toyworld = build.read_manifest(models.TOYWORLD_DIR)["files"]
+    toyworld = read_manifest(models.TOYWORLD_DIR)["files"]
     return {
         f"{folder}/{name.split('/', 1)[1]}": name
         for folder, source in graft.REUSED.items()
@@ -58,9 +64,9 @@ def test_a_few_sdxl_build_steps_make_a_stock_sdxl_pipeline_of_toyworld_parts(tmp
     )
     assert not (tmp_path / "xl.build").exists() and calls == [(True, "Judge", 1, 0)]
 
-    manifest = build.read_manifest(out)
+    manifest = read_manifest(out)
     assert manifest["files"] == build.file_hashes(out)
-    toyworld = build.read_manifest(models.TOYWORLD_DIR)["files"]
+    toyworld = read_manifest(models.TOYWORLD_DIR)["files"]
     copies = reused_files()
     assert len(copies) == 9  # vae 2, scheduler 1, tokenizer 2, tokenizer_2 2, judge 2
     assert all(manifest["files"][mine] == toyworld[theirs] for mine, theirs in copies.items())
@@ -135,11 +141,11 @@ def test_shipped_toyworld_xl_resolves_offline_matches_its_manifest_and_is_toywor
     start = time.perf_counter()
     path = models.resolve_model("toyworld-xl")
     assert time.perf_counter() - start < 2.0 and path == models.TOYWORLD_XL_DIR
-    manifest = build.read_manifest(path)
+    manifest = read_manifest(path)
     assert build.file_hashes(path) == manifest["files"]
     total = sum((path / f).stat().st_size for f in manifest["files"]) + (path / build.MANIFEST).stat().st_size
     assert total <= 30_000_000
-    toyworld = build.read_manifest(models.TOYWORLD_DIR)["files"]
+    toyworld = read_manifest(models.TOYWORLD_DIR)["files"]
     assert all(manifest["files"][mine] == toyworld[theirs] for mine, theirs in reused_files().items())
     assert manifest["command"].startswith("python -m helpers.toyworld build --family sdxl")
     scores = manifest["generator_scores"]
