@@ -400,7 +400,7 @@ def test_the_placeholder_gets_the_same_gradient_through_prepacked_layers():
     plain = gradient()
     (unet_file,) = (base.path / "unet").glob("*.safetensors")
     resident = mapped_rss(unet_file)  # the UNet's weights are views into a mapping of its file
-    packed = prepack.pack_unet(base.unet, linears=True, text_encoder=base.text_encoder)
+    packed = prepack.pack_unet(base.unet, linears=True, text_encoders=[base.text_encoder])
     assert packed.reason is None
     assert packed.convolutions == sum(map(prepack.packable, base.unet.modules())) > 0
     in_text_encoder = sum(map(prepack.packable_linear, base.text_encoder.modules()))

@@ -55,7 +55,7 @@ import copy
 import functools
 import types
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -447,19 +447,19 @@ def pack_unet(
     backward: bool = True,
     convs: bool = True,
     linears: bool = False,
-    text_encoder: torch.nn.Module | None = None,
+    text_encoders: Sequence[torch.nn.Module] = (),
     required: Collection[str] = (),
 ) -> PackResult:
     """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``, with
-    those of ``text_encoder`` if given) as far as the copies fit.
+    those of the ``text_encoders``, both of SDXL's) as far as the copies fit.
 
     They fit when they take at most :data:`MEMORY_SHARE` of the memory available now, divided among
     the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
     The convolutions come first, then the linear layers; where a kind's copies do not all fit, its
     layers are packed in the model's order as long as each one's copies still fit, and the rest run
     at PyTorch's speed (said in the result's ``reason``): the speed-up falls with the memory rather
-    than vanishing. The text encoder computes in the UNet's dtype (an fp32 text encoder under bf16
-    autocast beside a bf16 UNet), so its copies are made in it.
+    than vanishing. The text encoders compute in the UNet's dtype (fp32 text encoders under bf16
+    autocast beside a bf16 UNet), so their copies are made in it.
     ``backward=False`` (a UNet that only generates) keeps the forward's copies only, half the memory.
     A kind named in ``required`` (``"convs"``, ``"linears"``: its flag given explicitly) that does not
     fit whole is an :class:`~helpers.core.errors.InputError` naming the need and the free memory,
@@ -484,7 +484,7 @@ def pack_unet(
         return PackResult(0, 0, why)
     if linears:
         dtype = next(unet.parameters()).dtype
-        models = [unet] if text_encoder is None else [unet, text_encoder]
+        models = [unet, *text_encoders]
         layers = [
             (m, _linear_bytes(m, backward, dtype)) for x in models for m in x.modules() if packable_linear(m)
         ]

@@ -157,7 +157,7 @@ def setup_run(
     encoders, unet, noise_scheduler, token_ids = _load_modules(
         config, model_dir, tokenizers, family, precision
     )
-    startup = _prepack(config, unet, encoders[0])
+    startup = _prepack(config, unet, encoders)
     tokens = placeholder_tokens_for(config.placeholder_token, config.num_vectors)
     dataset, cached, startup["latent_cache"] = _cached_dataset(
         config, model_dir, tokenizers, tokens, precision
@@ -215,7 +215,7 @@ def start_accelerator(config: TrainConfig) -> tuple[cpu.PrecisionChoice, Acceler
     return precision, accelerator
 
 
-def _prepack(config: TrainConfig, unet, text_encoder) -> dict:
+def _prepack(config: TrainConfig, unet, text_encoders) -> dict:
     """Lay the frozen weights out for oneDNN once, as asked; return the start-up record (``prepacked_convs``)."""
     # None (the default): where the copies fit; True: asked for, so memory short is an input error
     convs, linears = config.prepack_convs is not False, config.prepack_linears is not False
@@ -225,7 +225,7 @@ def _prepack(config: TrainConfig, unet, text_encoder) -> dict:
         unet,
         convs=convs,
         linears=linears,
-        text_encoder=text_encoder,
+        text_encoders=text_encoders,
         required=[flag for flag in ("convs", "linears") if getattr(config, f"prepack_{flag}")],
     )
     packed.log(logger, main_process_only=True)

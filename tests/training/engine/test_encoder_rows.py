@@ -245,9 +245,10 @@ def test_the_engines_prepacked_layers_give_both_encoders_rows_the_plain_gradient
         return loss.detach(), [row.learned.vectors.grad.clone() for row in rows]
 
     plain_loss, plain_grads = loss_and_grads()
-    packed = prepack.pack_unet(unet, linears=True, text_encoder=encoders[0])
-    second = sum(prepack.pack_linear(m) for m in encoders[1].modules() if prepack.packable_linear(m))
-    assert packed.reason is None and packed.convolutions > 0 and packed.linears > 0 and second > 0
+    linears = [sum(map(prepack.packable_linear, m.modules())) for m in (unet, *encoders)]
+    packed = prepack.pack_unet(unet, linears=True, text_encoders=encoders)  # as the engine packs SDXL
+    assert packed.reason is None and packed.convolutions > 0 and min(linears) > 0
+    assert packed.linears == sum(linears)  # the UNet's and both encoders'
     loss, grads = loss_and_grads()
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=0)
     for grad, plain in zip(grads, plain_grads, strict=True):
