@@ -124,15 +124,12 @@ def check_args(args: argparse.Namespace) -> None:
     if args.learned_embeds is not None:
         read_learned_embeds(args.learned_embeds)
     out = getattr(args, "output_dir", None)
-    if out is not None:
-        for path in (Path(out), *Path(out).parents):
-            if path.exists():
-                if not path.is_dir():
-                    where = "is a file" if path == Path(out) else f"lies under {path}, which is a file"
-                    raise InferenceInputError(
-                        f"--output_dir {out!r} {where}. Fix: pass a folder (it is created if missing)"
-                    )
-                break
+    nearest = None if out is None else next((p for p in (Path(out), *Path(out).parents) if p.exists()), None)
+    if nearest is not None and not nearest.is_dir():
+        where = "is a file" if nearest == Path(out) else f"lies under {nearest}, which is a file"
+        raise InferenceInputError(
+            f"--output_dir {out!r} {where}. Fix: pass a folder (it is created if missing)"
+        )
     ov_dir = getattr(args, "openvino_dir", None)
     if ov_dir is not None and not is_openvino_folder(Path(ov_dir)):
         raise InferenceInputError(
