@@ -53,10 +53,8 @@ FOLLOW_SECONDS = 1.0  # how often a rank looks whether its launcher still holds 
 
 def rank_from_env() -> int | None:
     """This process's global rank as the launchers set it (torchrun, Hydra/PMI, Open MPI)."""
-    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
+    names = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+    return next((int(os.environ[n]) for n in names if os.environ.get(n, "").isdigit()), None)
 
 
 @dataclass

@@ -188,10 +188,8 @@ def warn_if_unusual(f: dataclasses.Field, value: Any, owner: str = "") -> None:
 
 def _file_in_the_way(folder: Path) -> Path | None:
     """``folder`` itself or the nearest of its parents that exists as something other than a folder."""
-    for path in (folder, *folder.parents):
-        if path.exists() or path.is_symlink():
-            return None if path.is_dir() else path
-    return None
+    nearest = next((p for p in (folder, *folder.parents) if p.exists() or p.is_symlink()), None)
+    return None if nearest is None or nearest.is_dir() else nearest
 
 
 @dataclasses.dataclass
