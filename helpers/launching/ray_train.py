@@ -138,23 +138,18 @@ def check_address(address: str, timeout: float = CONNECT_SECONDS) -> None:
         return  # "auto": the driver asks Ray, which answers at once when no cluster runs here
     host, port = parsed
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except socket.gaierror:
         raise RayLaunchError(
             f"--ray_address {address}: host {host!r} does not resolve; pass the head node's private "
             "address, e.g. 10.42.1.4:6379"
         ) from None
-    family, kind, proto, _, where = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(where)
-        except OSError as err:
-            why = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err)).lower()
-            raise RayLaunchError(
-                f"--ray_address {address}: nothing answers there ({why} within {timeout:g} s); start "
-                f"the head with `ray start --head --port {port}`, or pass the address it printed"
-            ) from None
+    except OSError as err:
+        why = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err)).lower()
+        raise RayLaunchError(
+            f"--ray_address {address}: nothing answers there ({why} within {timeout:g} s); start "
+            f"the head with `ray start --head --port {port}`, or pass the address it printed"
+        ) from None
 
 
 def local_cpus() -> int:
