@@ -45,6 +45,7 @@ from helpers.dreambooth.data import DreamBoothPairs, ImageViews
 from helpers.dreambooth.lora import add_lora
 from helpers.ranks import status
 from helpers.training import data, families, models
+from helpers.training.config import prepacks
 from helpers.training.engine import events, limits, loop, prepack
 from helpers.training.engine.folder import OutputFolder, check_output_dir
 from helpers.training.engine.setup import make_lr_scheduler, start_accelerator, training_steps
@@ -314,8 +315,9 @@ def _load_models(config: DreamBoothConfig, model_dir: Path, family: Family, dtyp
     params = add_lora(unet, text_encoder if train_text else None, config.rank, config.seed,
                       text_encoder_2=encoder_2 if train_text else None)  # fmt: skip
     packed = None
-    # LoRA trains the attention's linear layers: the convolutions stay frozen (None: where they fit)
-    if config.prepack_convs is not False:
+    # LoRA trains the attention's linear layers: the convolutions stay frozen (None: below 512 px,
+    # where they fit)
+    if prepacks(config.prepack_convs, config.resolution):
         packed = prepack.pack_unet(unet, required=["convs"] if config.prepack_convs else [])
         packed.log(logger, main_process_only=True)
     unet.train(config.gradient_checkpointing)  # diffusers checkpoints only in training mode

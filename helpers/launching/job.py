@@ -30,6 +30,7 @@ from helpers.ranks.backend import resolve_backend
 from helpers.ranks.status import STATUS_DIR_ENV
 from helpers.training import models
 from helpers.training.config import parse_args as parse_train_args
+from helpers.training.config import prepacks
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +439,9 @@ def _warn_if_short_of_memory(
     if not nodes_here:
         return
     precision = cpu.choose_precision(config.mixed_precision).mixed_precision  # as this CPU's ranks will
-    packed = config.prepack_convs is not False or config.prepack_linears is not False  # None: where it fits
+    packed = prepacks(config.prepack_convs, config.resolution) or prepacks(
+        config.prepack_linears, config.resolution
+    )
     prepack = packed and not config.use_ipex
     line = preflight.memory_warning(
         layout.nproc_per_node, config.resolution, precision, prepack, nodes_here=nodes_here

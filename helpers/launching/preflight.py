@@ -190,7 +190,7 @@ class PeakMemory:
 
     resolution: int
     precision: str  # "bf16" or "no" (fp32)
-    prepack: bool  # prepack_convs and prepack_linears not off (the default packs where the copies fit), else both off
+    prepack: bool  # prepack_convs or prepack_linears on (the default: below 512 px, where the copies fit), else both off
     peak_mib: float
     source: str  # the bench/results file it comes from (``python -m bench.train_step``)
 

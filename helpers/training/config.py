@@ -49,6 +49,20 @@ LAUNCHER_FLAGS = {"local_rank": "the rank comes from the launcher's environment 
 # Flags accepted for compatibility and ignored, with the reason.
 IGNORED_FLAGS = {**LAUNCHER_FLAGS}
 
+# --prepack_convs / --prepack_linears not given: laid out once below this resolution only. Measured
+# (2-core Xeon, AVX512-BF16, docs/performance.md): at 256 px the copies make steps faster (the SDXL
+# shape in bf16 1.19x; the SD v1.5 shape: the options table), at 512 px they do not (SD v1.5 shape,
+# fp32: 10.3 against 10.5 s a step; SDXL shape, bf16: 28.6 against 28.1 s) while they cost their
+# memory (+3.2 and +4.3 GiB of peak) and a longer first step (+15 and +12 s): the larger the
+# pictures, the more compute each reorder of a weight is spread over.
+PREPACK_DEFAULT_BELOW_RESOLUTION = 512
+
+
+def prepacks(flag: bool | None, resolution: int) -> bool:
+    """Whether a ``prepack_*`` setting lays weights out: as given, else below
+    :data:`PREPACK_DEFAULT_BELOW_RESOLUTION` (and then as far as the copies fit)."""
+    return flag if flag is not None else resolution < PREPACK_DEFAULT_BELOW_RESOLUTION
+
 
 class ConfigError(InputError):
     """One or more training settings are invalid; the one-line message lists each with its fix."""
@@ -165,15 +179,15 @@ class TrainConfig(Settings):
     prepack_convs: bool | None = setting(
         None,
         "lay out the frozen UNet's convolution weights for oneDNN once instead of in every step: faster "
-        "steps for one more weight's worth of memory (two copies replace the weight). Default: as far as "
-        "the copies fit in memory; "
+        "steps for one more weight's worth of memory (two copies replace the weight). Default: below 512 "
+        "px (where it pays), as far as the copies fit in memory; "
         "--prepack_convs: always (one line and exit 2 where memory is short); --no-prepack_convs: off",
     )
     prepack_linears: bool | None = setting(
         None,
         "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of "
-        "in every call: faster steps for one more weight's worth of memory. Default: as far as the "
-        "copies fit in memory; --prepack_linears: always (one line and exit 2 where memory is short); "
+        "in every call: faster steps for one more weight's worth of memory. Default: below 512 px, as "
+        "far as the copies fit in memory; --prepack_linears: always (one line and exit 2 where memory is short); "
         "--no-prepack_linears: off",
     )
     use_ipex: bool = setting(

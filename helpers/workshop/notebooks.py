@@ -24,6 +24,7 @@ from helpers.cluster.azure.spec import ClusterSpec
 from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.core.files import write_path_atomic
 from helpers.core.sources import classify_source
+from helpers.training.config import prepacks
 from helpers.training.models import hub_unreachable_reason
 
 RECORD_MIME = "application/x.workshop.record+json"
@@ -119,13 +120,14 @@ def memory_box(resolution: int, precision: str, vm_size: str = ClusterSpec.vm_si
     """Markdown for notebook 02's time box: the memory one training process needs at ``resolution`` and
     ``precision`` (``"no"``: fp32, or ``"bf16"``), where that figure comes from, and how many such
     processes fit one ``vm_size`` node (notebook 01's, by default)."""
-    need = estimates.memory_per_process(resolution, precision)
-    fit = estimates.processes_that_fit(vm_size, resolution, precision)
+    packed = prepacks(None, resolution)  # as the engine does by default
+    need = estimates.memory_per_process(resolution, precision, packed)
+    fit = estimates.processes_that_fit(vm_size, resolution, precision, packed)
     name = {"no": "fp32"}.get(precision, precision)
     return (
         f"> **Memory.** One training process needs about {need / 2**30:.1f} GiB at {resolution} px in {name}; "
         f"a {vm_size} node fits {fit} such process{'es' if fit != 1 else ''}. "
-        f"Basis: {estimates.memory_basis(resolution, precision)}."
+        f"Basis: {estimates.memory_basis(resolution, precision, packed)}."
     )
 
 

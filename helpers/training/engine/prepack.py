@@ -29,7 +29,8 @@ through them, are channels-last; the input gradient keeps them so (slightly fast
 there and back per convolution), and the results are the same bit for bit.
 
 The engine (and the DreamBooth-LoRA trainer, whose LoRA leaves the convolutions frozen) packs the
-UNet when ``prepack_convs`` is on (the default) and the copies fit in memory (:func:`pack_unet`);
+UNet when ``prepack_convs`` is on (the default below 512 px, where it pays:
+:data:`helpers.training.config.PREPACK_DEFAULT_BELOW_RESOLUTION`) and the copies fit in memory (:func:`pack_unet`);
 never together with IPEX, which lays out weights its own way. DreamBooth's class pictures are drawn
 with the forward's copy alone (``bench.dreambooth --class_image`` measures it).
 

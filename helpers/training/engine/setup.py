@@ -17,7 +17,7 @@ from accelerate.utils import ProjectConfiguration
 from helpers.core import cpu
 from helpers.ranks import backend, status
 from helpers.training import data, models
-from helpers.training.config import TrainConfig
+from helpers.training.config import PREPACK_DEFAULT_BELOW_RESOLUTION, TrainConfig, prepacks
 from helpers.training.engine import attention, events, latents, loop, prepack, tracking
 from helpers.training.engine.encoder_rows import add_placeholder_rows
 from helpers.training.engine.rows import EmbeddingHook, LearnedEmbeddings, placeholder_tokens_for
@@ -217,10 +217,16 @@ def start_accelerator(config: TrainConfig) -> tuple[cpu.PrecisionChoice, Acceler
 
 def _prepack(config: TrainConfig, unet, text_encoders) -> dict:
     """Lay the frozen weights out for oneDNN once, as asked; return the start-up record (``prepacked_convs``)."""
-    # None (the default): where the copies fit; True: asked for, so memory short is an input error
-    convs, linears = config.prepack_convs is not False, config.prepack_linears is not False
-    if not (convs or linears) or config.use_ipex:
+    # None (the default): below 512 px, where the copies fit; True: asked for, so memory short is an input error
+    convs, linears = (prepacks(f, config.resolution) for f in (config.prepack_convs, config.prepack_linears))
+    if config.use_ipex:
         return {}  # IPEX lays weights out its own way
+    if not (convs or linears):
+        if config.prepack_convs is None and config.prepack_linears is None:
+            why = f"not at {config.resolution} px (it pays below {PREPACK_DEFAULT_BELOW_RESOLUTION} px)"
+            logger.info(f"frozen weights not laid out once: {why}", main_process_only=True)
+            return {"prepacked_convs": dataclasses.asdict(prepack.PackResult(0, 0, why))}
+        return {}
     packed = prepack.pack_unet(
         unet,
         convs=convs,

@@ -79,3 +79,28 @@ def test_training_steps_count_optimizer_steps_per_process():
     assert setup.training_steps(config(), num_batches=9, num_processes=2) == (3, 9)
     config.max_train_steps = 4
     assert setup.training_steps(config(), num_batches=9, num_processes=2) == (3, 4)
+
+
+def test_weights_are_laid_out_once_by_default_below_512_px_only(tmp_path, tiny_dir):
+    """Measured: the copies pay at 256 px and not at 512 px, where they only cost memory and a
+    longer first step (helpers.training.config.PREPACK_DEFAULT_BELOW_RESOLUTION)."""
+    from accelerate import PartialState
+
+    from helpers.training.config import prepacks
+
+    PartialState()  # the engine logs through accelerate, as in a run
+    assert [prepacks(None, px) for px in (64, 256, 511, 512, 1024)] == [True, True, True, False, False]
+    assert prepacks(True, 1024) and not prepacks(False, 64)  # a flag given is obeyed
+    unet = models.load_components(tiny_dir, load_vae=False).unet.requires_grad_(False)  # frozen, as in a run
+    record = setup._prepack(tiny_config(tmp_path, resolution=512), unet, [])
+    assert record == {
+        "prepacked_convs": {
+            "convolutions": 0,
+            "bytes": 0,
+            "reason": "not at 512 px (it pays below 512 px)",
+            "linears": 0,
+        }
+    }
+    assert setup._prepack(tiny_config(tmp_path, resolution=512, prepack_convs=False), unet, []) == {}
+    packed = setup._prepack(tiny_config(tmp_path, resolution=64), unet, [])["prepacked_convs"]
+    assert packed["convolutions"] > 0 and packed["linears"] > 0 and packed["reason"] is None
