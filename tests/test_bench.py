@@ -508,8 +508,9 @@ def test_end_to_end_benchmark_on_tiny(tmp_path):
     assert caches["reference"] is None
     for r in result["runs"]:
         assert 0 < r["process_seconds_to_first_step"] < r["wall_seconds"]
-        # each child's own peak (wait4), above torch and the tiny model, far below a 2 GiB budget
-        assert 0.3 < r["peak_rss_gib"] < 2
+        # each child's own peak (wait4): above torch's import, far below a real model's (6 to 20 GiB);
+        # CI measured up to 2.5 GiB for this tiny run
+        assert 0.3 < r["peak_rss_gib"] < 5
     m = result["medians"]
     assert result["speedup_ours"] == m["reference"]["wall_seconds"] / m["ours"]["wall_seconds"]
     rows = end_to_end.table([result])
