@@ -149,9 +149,11 @@ def _collector_walks_this_modules_objects():
 
 
 # --- where the suite's time goes (make test prints it; CI keeps it in its log) ------------------------
-_MODULE_SECONDS: dict[str, float] = {}
-_MODULE_SUBPROCESSES: dict[str, int] = {}
+# Per test phase: wall seconds, CPU seconds (this worker and every process it started and waited for:
+# on 2 cores the suite is CPU-bound, so CPU seconds are what a change saves) and processes started.
+_TESTS: dict[str, dict[str, float]] = {}
 _started = [0]  # processes started in this worker since its last report
+_cpu_at_last_report = [sum(os.times()[:4])]
 _popen_init = subprocess.Popen.__init__
 
 
@@ -166,31 +168,41 @@ subprocess.Popen.__init__ = _counting_popen_init
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Each phase's report carries the processes it started (xdist sends it from worker to controller)."""
+    """Each phase's report carries its processes and CPU seconds (xdist sends them to the controller)."""
     outcome = yield
-    outcome.get_result().user_properties.append(("processes", _started[0]))
-    _started[0] = 0
+    cpu = sum(os.times()[:4])
+    outcome.get_result().user_properties += [
+        ("processes", _started[0]),
+        ("cpu", cpu - _cpu_at_last_report[0]),
+    ]
+    _started[0], _cpu_at_last_report[0] = 0, cpu
 
 
 def pytest_runtest_logreport(report):
-    module = report.nodeid.split("::")[0]
-    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
-    started = sum(n for k, n in report.user_properties if k == "processes")
-    _MODULE_SUBPROCESSES[module] = _MODULE_SUBPROCESSES.get(module, 0) + started
+    row = _TESTS.setdefault(report.nodeid, {"seconds": 0.0, "cpu_seconds": 0.0, "processes": 0})
+    props = dict(report.user_properties)
+    row["seconds"] += report.duration
+    row["cpu_seconds"] += props.get("cpu", 0.0)
+    row["processes"] += props.get("processes", 0)
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Seconds and processes started per test module, most first; also written to
-    ``build/test-times.json`` for the next maintainer (which modules to make cheaper). Another
+    """Wall and CPU seconds and processes started per test module, most CPU first; the same per test
+    in ``build/test-times.json`` for the next maintainer (which tests to make cheaper). Another
     environment's run (``make test-ipex``: ``.venv-ipex``) writes ``build/test-times.venv-ipex.json``
     beside it instead of replacing it."""
-    if not _MODULE_SECONDS or hasattr(terminalreporter.config, "workerinput"):  # the controller writes it
+    if not _TESTS or hasattr(terminalreporter.config, "workerinput"):  # the controller writes it
         return
-    rows = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
-    terminalreporter.section("seconds and processes started per test module")
-    for module, seconds in rows:
+    modules: dict[str, dict[str, float]] = {}
+    for nodeid, row in _TESTS.items():
+        total = modules.setdefault(nodeid.split("::")[0], dict.fromkeys(row, 0))
+        for key, value in row.items():
+            total[key] += value
+    by_cpu = lambda rows: dict(sorted(rows.items(), key=lambda kv: -kv[1]["cpu_seconds"]))  # noqa: E731
+    terminalreporter.section("wall seconds, CPU seconds and processes started per test module")
+    for module, row in by_cpu(modules).items():
         terminalreporter.write_line(
-            f"{seconds:8.1f} s {_MODULE_SUBPROCESSES.get(module, 0):5d} processes  {module}"
+            f"{row['seconds']:8.1f} s {row['cpu_seconds']:8.1f} s CPU {int(row['processes']):5d} processes  {module}"
         )
     env = Path(sys.prefix).name
     path = (
@@ -199,9 +211,5 @@ def pytest_terminal_summary(terminalreporter):
         / ("test-times.json" if env == ".venv" else f"test-times.{env.lstrip('.')}.json")
     )
     path.parent.mkdir(exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {m: {"seconds": round(s, 1), "processes": _MODULE_SUBPROCESSES.get(m, 0)} for m, s in rows},
-            indent=1,
-        )
-    )
+    rounded = lambda rows: {k: {f: round(v, 1) for f, v in r.items()} for k, r in by_cpu(rows).items()}  # noqa: E731
+    path.write_text(json.dumps({"modules": rounded(modules), "tests": rounded(_TESTS)}, indent=1))

@@ -192,8 +192,8 @@ DEMO_OUTPUT = (
     "--placeholder_token '<pip>' --initializer_token toy --resolution 64 --max_train_steps 2 "
     "--output_dir build/outputs/pip-toyworld --save_as_full_pipeline"
 )
-# Each call of the notebooks' and the README's text with what it needs first (in a fresh offline
-# interpreter) and what it must do; the README's calls name the folders its commands wrote ({cwd}).
+# Each call of the notebooks' and the README's text with what it needs first (in its own namespace,
+# offline) and what it must do; the README's calls name the folders its commands wrote ({cwd}).
 NOTEBOOK_CALLS = {
     "pipe.load_textual_inversion(path)": (
         "from diffusers import StableDiffusionPipeline\n"
@@ -293,16 +293,38 @@ def test_readme_lines_run_offline(documented_run):
     assert list((cwd / "images").glob("*.png"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("call", sorted(NOTEBOOK_CALLS))
-def test_notebook_calls_run_offline(call, documented_run):
-    setup, check = NOTEBOOK_CALLS[call]
+# Runs each call (its set-up, the call, its check) in its own namespace and folder, in one offline
+# interpreter (one start of torch and diffusers for all of them), and prints {call: traceback or None}.
+_CALLS_RUNNER = """
+import json, os, sys, traceback
+results, start = {}, os.getcwd()
+for call, script in json.loads(sys.argv[1]).items():
+    try:
+        exec(script, {"__name__": "__main__"})
+        results[call] = None
+    except BaseException:
+        results[call] = traceback.format_exc()[-2000:]
+    os.chdir(start)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def notebook_call_errors(documented_run) -> dict[str, str | None]:
     values = {k: str(v) for k, v in documented_run.items()} | {
         "toyworld": str(models.resolve_model("toyworld"))
     }
-    script = setup.format(**values) + f"_ = {call}\n" + check + "\n"
-    env = {**os.environ, **OFFLINE}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, f"{call} fails offline:\n{done.stderr[-2000:]}"
+    scripts = {
+        call: setup.format(**values) + f"_ = {call}\n" + check + "\n"
+        for call, (setup, check) in NOTEBOOK_CALLS.items()
+    }
+    done = subprocess.run([sys.executable, "-c", _CALLS_RUNNER, json.dumps(scripts)], env={**os.environ, **OFFLINE},
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", sorted(NOTEBOOK_CALLS))
+def test_notebook_calls_run_offline(call, notebook_call_errors):
+    assert notebook_call_errors[call] is None, f"{call} fails offline:\n{notebook_call_errors[call]}"

@@ -469,12 +469,11 @@ def launch_args(root, out: str, batch: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def process_runs(tmp_path_factory):
-    """The same steps through helpers.launch, 2 processes x batch 1 (mpirun; Ray Train workers;
-    torchrun from the command line), and in one process with batch 2. The first run draws the 4
-    class images, 2 per rank; the others reuse them."""
+    """The same steps through helpers.launch, 2 processes x batch 1 (mpirun; Ray Train workers), and
+    in one process with batch 2. The first run draws the 4 class images, 2 per rank; the others
+    reuse them. torchrun is not run again here: it starts the ranks mpirun starts, whatever their
+    module (tests/launching/test_launch.py holds its Textual Inversion run to mpirun's)."""
     import io
-    import subprocess
-    import sys
 
     root = tmp_path_factory.mktemp("dreambooth-processes")
     layout = ClusterLayout.local(2, main_process_port=free_port(), threads_per_process=1)
@@ -483,14 +482,9 @@ def process_runs(tmp_path_factory):
     ray = job.prepare_job(ClusterLayout.local(2, threads_per_process=1), launch_args(root, "ray", 1), "ray",
                           module="helpers.dreambooth")  # fmt: skip
     job.run_job(ray, stream=io.StringIO(), cwd=root, timeout=900).raise_for_failure()
-    torchrun = [sys.executable, "-m", "helpers.launch", "--launcher", "torchrun", "--nproc_per_node", "2",
-                "--threads_per_process", "1", "--main_process_port", str(free_port()),
-                "--module", "helpers.dreambooth", "--", *launch_args(root, "torchrun", 1)]  # fmt: skip
-    proc = subprocess.run(torchrun, capture_output=True, text=True, timeout=900, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     for name, batch in (("single", 2), ("half", 1)):
         train_here("helpers.dreambooth", launch_args(root, name, batch))
-    return {name: root / name for name in ("mpirun", "ray", "torchrun", "single", "half")}
+    return {name: root / name for name in ("mpirun", "ray", "single", "half")}
 
 
 def _summary(out) -> dict:
@@ -498,14 +492,14 @@ def _summary(out) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["mpirun", "ray", "torchrun"])
+@pytest.mark.parametrize("launcher", ["mpirun", "ray"])
 def test_two_ranks_all_reduce_only_the_lora_matrices(process_runs, launcher):
     s = _summary(process_runs[launcher])
     assert (s["world_size"], s["steps"], s["allreduce_calls"]) == (2, STEPS, STEPS)  # one all-reduce per step
     assert s["allreduce_bytes_per_step"] == s["trainable_parameters"] * 4  # the LoRA matrices, fp32
     assert s["full_unet_allreduce_bytes_per_step"] > 20 * s["allreduce_bytes_per_step"]
     assert s["lora_identical_across_ranks"] is True
-    generated = {"mpirun": 4, "ray": 0, "torchrun": 0}[launcher]  # 2 per rank in the first run; then reused
+    generated = {"mpirun": 4, "ray": 0}[launcher]  # 2 per rank in the first run; then reused
     assert (
         s["class_images"]["generated"] == generated
         and len(list((process_runs[launcher].parent / "class").glob("*.png"))) == 4
@@ -516,7 +510,7 @@ def test_two_ranks_all_reduce_only_the_lora_matrices(process_runs, launcher):
 def test_two_processes_batch_1_equal_one_process_batch_2(process_runs):
     """Same items, same keyed draws, gradients averaged over the ranks: the same update.
 
-    mpirun and torchrun give bit-identical LoRA files. Against one process with batch 2 the
+    Against one process with batch 2 the
     per-step losses agree to rounding (1e-4; measured up to 1.9e-5 on a Xeon with AMX, while the
     run on half the data is 3-6 % off), and the LoRA updates (B @ A of each layer) to 10 % of
     their norm. Not element by element: AdamW's first step moves every element of B by the
@@ -527,11 +521,6 @@ def test_two_processes_batch_1_equal_one_process_batch_2(process_runs):
     the run trained on half the data per step, as a rank would without the all-reduce.
     """
     runs = process_runs
-    mpirun, torchrun = (
-        load_file(runs["mpirun"] / lora.LORA_WEIGHTS),
-        load_file(runs["torchrun"] / lora.LORA_WEIGHTS),
-    )
-    assert mpirun.keys() == torchrun.keys() and all(torch.equal(mpirun[k], torchrun[k]) for k in mpirun)
     losses = {k: [h["loss"] for h in json.loads((v / "history.json").read_text())] for k, v in runs.items()}
     assert losses["mpirun"] == pytest.approx(losses["single"], rel=1e-4)
     assert losses["half"] != pytest.approx(losses["single"], rel=1e-2)

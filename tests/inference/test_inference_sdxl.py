@@ -250,26 +250,6 @@ def test_sdxl_openvino_second_encoder_gets_the_token(ov_xl, pt_xl):
 
 
 @slow
-def test_an_sdxl_stored_in_fp16_exports_in_fp32_and_takes_the_concept(run_dir, tmp_path):
-    """Hub SDXL checkpoints (and toyworld-xl) store the UNet in fp16. Left to itself, optimum traces
-    such a pipeline in fp16, text encoders included, and their token tables then sit behind a
-    16-bit embedding op that learned rows cannot go into; the export loads it in fp32."""
-    from diffusers import UNet2DConditionModel
-
-    source = tmp_path / "fp16-unet"
-    shutil.copytree(models.resolve_model(models.TINY_XL), source)
-    UNet2DConditionModel.from_pretrained(source, subfolder="unet").half().save_pretrained(source / "unet")
-    assert (
-        load_file(source / "unet" / "diffusion_pytorch_model.safetensors")["conv_in.weight"].dtype
-        == torch.float16
-    )
-    out = inference.export_openvino(source, tmp_path / "ov", learned_embeds=run_dir)
-    ov = inference.load_openvino_pipeline(out)
-    assert _inserted_rows(ov) == [2, 2]
-    assert inference.export_info(out)["inserted_tokens"] == [TOKEN, f"{TOKEN}_1"]
-
-
-@slow
 def test_sdxl_openvino_runtime_load_and_its_guards(ov_xl, pt_xl, run_dir, tmp_path):
     ov = inference.load_openvino_pipeline(ov_xl["base"])
     assert _inserted_rows(ov) == [0, 0]

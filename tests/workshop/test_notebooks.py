@@ -263,8 +263,9 @@ def test_notebook_05_records(notebook_records):
 def test_notebook_06_records(notebook_records, notebook_run_dir):
     """DreamBooth-LoRA on the toy world, beside notebook 02's Textual Inversion of the same Pip.
 
-    Measured (8 pictures, fixed seeds, instance prompt "a photo of sks"): Pip score 0.003 before,
-    0.77 after; the class prompt's pictures 8 of 8 not Pip before and after; OpenVINO parity 1e-6
+    Measured (8 pictures, fixed seeds, instance prompt "a photo of sks", 300 steps at 7e-3 on an
+    AVX-512 Xeon): Pip score 0.003 before, 0.80 after (500 steps at 5e-3: 0.64 there, 0.77 on an
+    earlier machine); the class prompt's pictures 8 of 8 not Pip before and after; OpenVINO parity 1e-6
     and 89 dB. (With "a photo of sks toy" the toy world learns one compromise for both prompts:
     0.37 and 5 of 8; the notebook explains why.)
     """
@@ -272,13 +273,13 @@ def test_notebook_06_records(notebook_records, notebook_run_dir):
 
     r = notebook_records("06_dreambooth_lora")
     [curve] = live_curve(notebook_run_dir / "06_dreambooth_lora.ipynb")
-    assert re.fullmatch(r"loss after step 500 of 500: \d\.\d{4}", curve), curve
+    assert re.fullmatch(r"loss after step 300 of 300: \d\.\d{4}", curve), curve
     assert r["concept_score_before"] <= 0.2  # "sks" means nothing to the base model
     assert r["concept_score_after"] >= 0.6  # after training it draws Pip
     assert r["class_share_before"] >= 0.75 and r["class_share_after"] >= 0.75  # "a toy" is still not Pip
     s = r["summary"]
     made = s["class_images"]  # drawn by the base model (or reused from an earlier run in the folder)
-    assert s["steps"] == 500 and s["with_prior_preservation"] and made["existing"] + made["generated"] == 20
+    assert s["steps"] == 300 and s["with_prior_preservation"] and made["existing"] + made["generated"] == 20
     lora_file = Path(r["lora_weights_path"])
     assert lora_file.is_relative_to(notebook_run_dir) and lora_file.stat().st_size == s["lora_weights_bytes"]
     assert {k.split(".")[0] for k in load_file(lora_file)} == {"unet", "text_encoder"}
@@ -303,7 +304,10 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     encoders: encoder outputs within 7e-7 of PyTorch's, images at 86 dB PSNR (int8 weights: 46 dB),
     Pip 0.99.
     """
+    import torch
     from safetensors.torch import load_file
+
+    from helpers.training import models
 
     r = notebook_records("07_sdxl")
     executed = notebook_run_dir / "07_sdxl.ipynb"
@@ -333,7 +337,12 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
         r["ti_concept_score_after"],
         r["lora_concept_score_after"],
     )
-    # OpenVINO: the word inserted in both encoders (two rows each), each giving PyTorch's output
+    # OpenVINO: the word inserted in both encoders (two rows each), each giving PyTorch's output.
+    # toyworld-xl stores its UNet in fp16, as Hub SDXL checkpoints do: left to itself, optimum traces
+    # such a pipeline in fp16, text encoders included, whose token tables then sit behind a 16-bit
+    # embedding op that learned rows cannot go into; the export loads it in fp32.
+    unet = models.resolve_model("toyworld-xl") / "unet" / "diffusion_pytorch_model.safetensors"
+    assert load_file(unet)["conv_in.weight"].dtype == torch.float16
     assert r["openvino_inserted_tokens"] == ["<pip>", "<pip>_1"]
     assert (
         len(r["openvino_encoder_diffs"]) == 2
