@@ -3,10 +3,10 @@
 The launchers do not know the family: a rank runs the same ``python -m helpers.train`` (or
 ``helpers.dreambooth``) on tiny-xl, and what differs from SD v1 is what the all-reduce carries: the
 rows of *both* text encoders (Textual Inversion), the LoRA matrices of the UNet and both encoders
-(DreamBooth-LoRA). Both methods run under mpirun (2 x batch 1, gloo), each against one process with
-batch 2. Which launcher starts the ranks is the family's concern nowhere: torchrun and Ray Train run
-the same loop, held to mpirun's numbers on SD v1 for both methods (tests/launching/test_launch.py,
-tests/dreambooth/test_dreambooth.py), and notebook 07 runs both SDXL methods under helpers.launch.
+(DreamBooth-LoRA). Here both methods run in Ray Train's workers (2 x batch 1), each against one
+process with batch 2. Notebook 07 runs both under mpirun (its records test holds each step's loss to
+the single process's and checks what the all-reduce carried), and torchrun starts the ranks mpirun
+starts (tests/launching/test_launch.py holds it to mpirun's numbers on SD v1).
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def launch(root: Path, launcher: str, module: str, args: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """For each method: mpirun (2 x 1), one process (1 x 2), the half-data control (1 x 1)."""
+    """For each method: Ray Train (2 x 1), one process (1 x 2), the half-data control (1 x 1)."""
     root = tmp_path_factory.mktemp("sdxl-launch")
-    launch(root, "mpirun", "helpers.train", ti_args(root / "ti_mpirun", 1))
+    launch(root, "ray", "helpers.train", ti_args(root / "ti_ray", 1))
     train_here("helpers.train", ti_args(root / "ti_single", 2))
     train_here("helpers.train", ti_args(root / "ti_half", 1))
-    launch(root, "mpirun", "helpers.dreambooth", lora_args(root / "lora_mpirun", 1))
+    launch(root, "ray", "helpers.dreambooth", lora_args(root / "lora_ray", 1))
     train_here("helpers.dreambooth", lora_args(root / "lora_single", 2))
     train_here("helpers.dreambooth", lora_args(root / "lora_half", 1))
     return {p.name: p for p in root.iterdir() if p.is_dir()}
@@ -80,13 +80,13 @@ def rows(out: Path) -> torch.Tensor:
 
 
 def test_textual_inversion_ranks_average_both_encoders_rows(runs):
-    run = "ti_mpirun"
-    s = summary(runs[run])
+    ray = runs["ti_ray"]
+    s = summary(ray)
     assert (s["world_size"], s["steps"], s["allreduce_calls"]) == (2, STEPS, STEPS)
     assert s["embeddings_identical_across_ranks"] is True
-    assert s["allreduce_bytes_per_step"] == rows(runs[run]).numel() * 4  # both encoders' rows, fp32
-    assert history_losses(runs[run]) == pytest.approx(history_losses(runs["ti_single"]), rel=SPLIT_LOSS_REL)
-    torch.testing.assert_close(rows(runs[run]), rows(runs["ti_single"]), rtol=0, atol=SPLIT_ATOL)
+    assert s["allreduce_bytes_per_step"] == rows(ray).numel() * 4  # both encoders' rows, fp32
+    assert history_losses(ray) == pytest.approx(history_losses(runs["ti_single"]), rel=SPLIT_LOSS_REL)
+    torch.testing.assert_close(rows(ray), rows(runs["ti_single"]), rtol=0, atol=SPLIT_ATOL)
 
 
 def test_the_half_data_control_is_outside_the_tolerance(runs):
@@ -98,14 +98,14 @@ def test_the_half_data_control_is_outside_the_tolerance(runs):
 
 
 def test_dreambooth_ranks_average_the_lora_of_the_unet_and_both_encoders(runs):
-    run = "lora_mpirun"
-    s = summary(runs[run])
+    ray = runs["lora_ray"]
+    s = summary(ray)
     assert (s["world_size"], s["steps"], s["allreduce_calls"]) == (2, STEPS, STEPS)
     assert s["lora_identical_across_ranks"] is True
     assert s["allreduce_bytes_per_step"] == s["trainable_parameters"] * 4
-    two = load_file(runs[run] / lora.LORA_WEIGHTS)
+    two = load_file(ray / lora.LORA_WEIGHTS)
     assert {k.split(".")[0] for k in two} == {"unet", "text_encoder", "text_encoder_2"}
-    assert history_losses(runs[run]) == pytest.approx(history_losses(runs["lora_single"]), rel=SPLIT_LOSS_REL)
-    same = relative_difference(lora_updates(runs[run]), lora_updates(runs["lora_single"]))
+    assert history_losses(ray) == pytest.approx(history_losses(runs["lora_single"]), rel=SPLIT_LOSS_REL)
+    same = relative_difference(lora_updates(ray), lora_updates(runs["lora_single"]))
     half = relative_difference(lora_updates(runs["lora_half"]), lora_updates(runs["lora_single"]))
     assert same < 0.1 and half > 0.5, (same, half)  # over all layers, as SD v1's (tests/dreambooth)

@@ -307,6 +307,7 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     import torch
     from safetensors.torch import load_file
 
+    from helpers.dreambooth import lora
     from helpers.training import models
 
     r = notebook_records("07_sdxl")
@@ -330,8 +331,8 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     assert r["lora_concept_score_before"] <= 0.2 and r["lora_concept_score_after"] >= 0.6
     assert r["class_share_before"] >= 0.75 and r["class_share_after"] >= 0.75
     assert (r["ti_summary"]["steps"], r["lora_summary"]["steps"]) == (200, 300)
-    lora = load_file(r["lora_weights_path"])
-    assert {k.split(".")[0] for k in lora} == {"unet", "text_encoder", "text_encoder_2"}
+    lora_groups = {"unet", "text_encoder", "text_encoder_2"}
+    assert {k.split(".")[0] for k in load_file(r["lora_weights_path"])} == lora_groups
     ti, db = r["comparison"]
     assert (ti["concept score"], db["concept score"]) == (
         r["ti_concept_score_after"],
@@ -357,6 +358,20 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     for launched in r["launched"].values():
         assert (launched["processes"], launched["steps"], launched["backend"]) == (2, 10, AUTO)
         assert launched["largest loss difference"] < 1e-3
+    # what the all-reduce carried: the new rows of both encoders; the LoRA of the UNet and both encoders
+    ti_run, lora_run = (
+        notebook_run_dir / "outputs" / f"{name}-2proc"
+        for name in ("pip-toyworld-xl", "pip-dreambooth-toyworld-xl")
+    )
+    ti_s, lora_s = (json.loads((run / "run_summary.json").read_text()) for run in (ti_run, lora_run))
+    rows = sum(
+        load_file(ti_run / name)["<pip>"].numel()
+        for name in ("learned_embeds.safetensors", "learned_embeds_2.safetensors")
+    )
+    assert ti_s["embeddings_identical_across_ranks"] is True and ti_s["allreduce_bytes_per_step"] == rows * 4
+    assert lora_s["lora_identical_across_ranks"] is True
+    assert lora_s["allreduce_bytes_per_step"] == lora_s["trainable_parameters"] * 4
+    assert {k.split(".")[0] for k in load_file(lora_run / lora.LORA_WEIGHTS)} == lora_groups
 
 
 @pytest.mark.notebooks
