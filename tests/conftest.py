@@ -153,7 +153,7 @@ def _collector_walks_this_modules_objects():
 # on 2 cores the suite is CPU-bound, so CPU seconds are what a change saves) and processes started.
 _TESTS: dict[str, dict[str, float]] = {}
 _started = [0]  # processes started in this worker since its last report
-_cpu_at_last_report = [sum(os.times()[:4])]
+_cpu_at_last_report = [0.0]
 _popen_init = subprocess.Popen.__init__
 
 
@@ -164,6 +164,10 @@ def _counting_popen_init(self, *args, **kwargs):
 
 
 subprocess.Popen.__init__ = _counting_popen_init
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _cpu_at_last_report[0] = sum(os.times()[:4])  # not the collection's or the scheduler's CPU
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -187,11 +187,13 @@ def node_memory_bytes(vm_size: str) -> int:
     return vcpus * GIB_PER_VCPU[row.series[0]] * 2**30
 
 
-def processes_that_fit(vm_size: str, resolution: int, precision: str, prepack: bool = True) -> int:
-    """How many training processes fit one ``vm_size`` node: its memory less
+def processes_that_fit(
+    vm_size: str, resolution: int, precision: str, prepack: bool = True, shape: str = "sd15"
+) -> int:
+    """How many training processes of a ``shape`` model fit one ``vm_size`` node: its memory less
     :data:`OS_RESERVE_GIB`, over :func:`memory_per_process` (0 if not even one fits)."""
     usable = node_memory_bytes(vm_size) - OS_RESERVE_GIB * 2**30
-    return max(0, int(usable // memory_per_process(resolution, precision, prepack)))
+    return max(0, int(usable // memory_per_process(resolution, precision, prepack, shape)))
 
 
 def time_box(report) -> str:

@@ -28,7 +28,7 @@ from helpers.launching.layout import ClusterLayout, is_local_host, write_hostfil
 from helpers.launching.rank_output import Output, diagnose
 from helpers.ranks.backend import resolve_backend
 from helpers.ranks.status import STATUS_DIR_ENV
-from helpers.training import models
+from helpers.training import models, models_xl
 from helpers.training.config import parse_args as parse_train_args
 from helpers.training.config import prepacks
 
@@ -425,12 +425,14 @@ def _warn_if_short_of_memory(
     """Print :func:`helpers.launching.preflight.memory_warning` on stderr when this machine's ranks need
     more memory than it has.
 
-    Only where the measurement applies and this machine is known to run ranks: ``helpers.train``
-    (DreamBooth's memory is not measured) on a model of the Stable Diffusion v1.5 shape (not the
-    offline toy models, nor a local folder with another UNet), on a host of the layout or in
-    Ray's private runtime here. Other nodes' memory cannot be read from here and is not checked.
+    Only where a measurement applies and this machine is known to run ranks: ``helpers.train``
+    (DreamBooth's memory is not measured) on a model of Stable Diffusion v1.5's or SDXL's layer sizes
+    (not the offline toy models, nor a local folder with another UNet) in a precision and prepacking
+    measured for it, on a host of the layout or in Ray's private runtime here. Other nodes' memory
+    cannot be read from here and is not checked.
     """
-    if module != "helpers.train" or not _sd15_shaped(config.pretrained_model_name_or_path):
+    shape = _measured_shape(config.pretrained_model_name_or_path)
+    if module != "helpers.train" or shape is None:
         return
     if launcher == "ray":
         nodes_here = 0 if ray_address else 1  # a Ray cluster places the workers itself
@@ -443,25 +445,44 @@ def _warn_if_short_of_memory(
         config.prepack_linears, config.resolution
     )
     prepack = packed and not config.use_ipex
-    line = preflight.memory_warning(
-        layout.nproc_per_node, config.resolution, precision, prepack, nodes_here=nodes_here
-    )
+    try:
+        line = preflight.memory_warning(
+            layout.nproc_per_node, config.resolution, precision, prepack, shape=shape, nodes_here=nodes_here
+        )
+    except ValueError:  # nothing measured for this precision and prepacking of the shape
+        return
     if line:
         print(line, file=sys.stderr)
 
 
-def _sd15_shaped(model: str) -> bool:
-    """Whether ``model`` has the UNet of Stable Diffusion v1.5, whose memory is measured: a Hub id or
-    a folder without a readable UNet config is taken to (the workshop's models); the offline toy
-    models and local folders with other UNet widths are not."""
+# The Hub's models of the measured shapes; another Hub id is taken to be SD v1.5's (the workshop's).
+_HUB_SHAPES = {"stabilityai/stable-diffusion-xl-base-1.0": "sdxl"}
+
+
+def _measured_shape(model: str) -> str | None:
+    """Whose layer sizes ``model``'s UNet has, where memory is measured: ``"sd15"`` (Stable Diffusion
+    v1.5) or ``"sdxl"`` (SDXL base 1.0), read from its UNet config (a local folder, or a Hub id in
+    Hugging Face's cache); else None (the offline toy models, a UNet of other widths). A Hub id not in
+    the cache is :data:`_HUB_SHAPES`' or SD v1.5's."""
     if model in models.OFFLINE_MODELS:
-        return False
+        return None
     unet_config = Path(model).expanduser() / "unet" / "config.json"
+    if not unet_config.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "unet/config.json")
+        except ValueError:  # not a repository id either
+            cached = None
+        if not isinstance(cached, str):
+            return _HUB_SHAPES.get(model, "sd15")
+        unet_config = Path(cached)
     try:
         widths = list(json.loads(unet_config.read_text())["block_out_channels"])
-    except (OSError, ValueError, KeyError, TypeError):  # not a folder here, or not a diffusers UNet's config
-        return True
-    return widths == list(models.SD15_SHAPE_UNET_CONFIG["block_out_channels"])
+    except (OSError, ValueError, KeyError, TypeError):  # not a diffusers UNet's config
+        return None
+    shapes = {"sd15": models.SD15_SHAPE_UNET_CONFIG, "sdxl": models_xl.SDXL_SHAPE_CONFIGS[2]}
+    return next((name for name, unet in shapes.items() if widths == list(unet["block_out_channels"])), None)
 
 
 _DEFAULT_SECONDS = {"exit_grace_seconds": 60, "stall_seconds": 900}

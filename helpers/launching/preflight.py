@@ -186,13 +186,17 @@ def preflight(
 
 @dataclass(frozen=True)
 class PeakMemory:
-    """One measured whole-process peak RSS of the engine training the Stable Diffusion v1.5 shape."""
+    """One measured whole-process peak RSS of the engine training a model of ``shape``'s layer sizes
+    (``"sd15"``: Stable Diffusion v1.5's; ``"sdxl"``: SDXL base 1.0's)."""
 
     resolution: int
     precision: str  # "bf16" or "no" (fp32)
     prepack: bool  # prepack_convs or prepack_linears on (the default: below 512 px, where the copies fit), else both off
     peak_mib: float
-    source: str  # the bench/results file it comes from (``python -m bench.train_step``)
+    source: (
+        str  # the bench/results file it comes from (``python -m bench.train_step`` or ``bench.end_to_end``)
+    )
+    shape: str = "sd15"
 
 
 _XEON = "bench/results/xeon-avx512/"
@@ -205,40 +209,60 @@ MEASURED_MEMORY: tuple[PeakMemory, ...] = (
     PeakMemory(512, "no", True, 9917.1, _XEON + "train_memory-sd15-shape-512px.json"),
     PeakMemory(512, "no", False, 6497.9, _XEON + "train_memory-sd15-shape-512px.json"),
     PeakMemory(256, "bf16", True, 5887.7, "bench/results/train_step-sd15-shape-256px-bf16.json"),
-)
+    # SDXL: the whole command in bench.end_to_end on a Xeon with AVX512-BF16, its first run (the VAE
+    # encodes the pictures) included.
+    PeakMemory(512, "bf16", False, 17657.5,
+               "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-512px-3steps-bf16.json", "sdxl"),
+)  # fmt: skip
 # Resident weights (GiB) of the SD v1.5 shape's UNet and text encoder, counted from its modules:
 # UNet 3.20 GiB in fp32 (convolutions 2.19, linear layers 1.01), text encoder 0.46 (linear 0.32).
 # Prepacked, each packed weight adds one weight's worth (two copies, the dense weight freed); in
 # bf16 the UNet is bf16 and the fp32 text encoder keeps its weights beside two bf16 copies.
-RESIDENT_WEIGHTS_GIB = {("no", False): 3.66, ("no", True): 7.18, ("bf16", False): 2.06, ("bf16", True): 3.98}
+# SDXL's (counted the same way): UNet 9.56 GiB in fp32 (convolutions 1.24, linear layers 8.32), the two
+# text encoders 3.04, kept in fp32 (linear layers 2.67); with bf16 the UNet is bf16. Its prepacked
+# copies depend on the CPU (bf16 linear layouts need AMX) and are not measured: no figure for them.
+RESIDENT_WEIGHTS_GIB = {
+    ("sd15", "no", False): 3.66, ("sd15", "no", True): 7.18, ("sd15", "bf16", False): 2.06,
+    ("sd15", "bf16", True): 3.98, ("sdxl", "no", False): 12.61, ("sdxl", "bf16", False): 7.83,
+}  # fmt: skip
 
 
-def memory_per_process(resolution: int, precision: str, prepack: bool = True) -> int:
+def memory_per_process(resolution: int, precision: str, prepack: bool = True, shape: str = "sd15") -> int:
     """Bytes one training process needs at its peak: the measured peak of :data:`MEASURED_MEMORY`
-    at the nearest resolution; at another one, the part above the resident weights
+    for ``shape`` at the nearest resolution; at another one, the part above the resident weights
     (:data:`RESIDENT_WEIGHTS_GIB`: activations, libraries) scaled with the pixels (stated by
-    :func:`memory_basis`). Without a measurement unpacked, the prepacked one less the copies."""
-    basis, scaled_from_packed = _memory_row(resolution, precision, prepack)
-    weights = RESIDENT_WEIGHTS_GIB[(basis.precision, basis.prepack)] * 2**30
+    :func:`memory_basis`). Without a measurement unpacked, the prepacked one less the copies.
+
+    Raises:
+        ValueError: nothing measured for this shape, precision and prepacking.
+    """
+    basis, derived = _memory_row(resolution, precision, prepack, shape)
+    weights = RESIDENT_WEIGHTS_GIB[(shape, basis.precision, basis.prepack)] * 2**30
     rest = basis.peak_mib * 2**20 - weights
-    if scaled_from_packed:
-        weights = RESIDENT_WEIGHTS_GIB[(precision, prepack)] * 2**30
+    if derived:
+        weights = RESIDENT_WEIGHTS_GIB[(shape, precision, prepack)] * 2**30
     return int(weights + rest * (resolution / basis.resolution) ** 2)
 
 
-def _memory_row(resolution: int, precision: str, prepack: bool) -> tuple[PeakMemory, bool]:
-    """The measured row nearest in pixels to ``resolution`` with this precision and prepacking (else
-    with the other prepacking), and whether it is the other."""
-    rows = [m for m in MEASURED_MEMORY if m.precision == precision]
+def _memory_row(resolution: int, precision: str, prepack: bool, shape: str) -> tuple[PeakMemory, bool]:
+    """The measured row of ``shape`` nearest in pixels to ``resolution`` with this precision and
+    prepacking (else with the other prepacking, where the weights of both are known), and whether
+    it is the other."""
+    rows = [m for m in MEASURED_MEMORY if m.precision == precision and m.shape == shape]
     if not rows:
-        raise ValueError(f"precision={precision!r}: no memory measured; the rows are 'no' (fp32) and 'bf16'")
+        measured = sorted({m.precision for m in MEASURED_MEMORY if m.shape == shape})
+        raise ValueError(
+            f"precision={precision!r}: no memory measured for the {shape} shape (measured: {measured})"
+        )
     same = [m for m in rows if m.prepack == prepack]
+    if not same and (shape, precision, prepack) not in RESIDENT_WEIGHTS_GIB:
+        raise ValueError(f"{shape}, {precision}, prepack={prepack}: no memory measured nor derivable")
     return min(same or rows, key=lambda m: abs(m.resolution**2 - resolution**2)), not same
 
 
-def memory_basis(resolution: int, precision: str, prepack: bool = True) -> str:
+def memory_basis(resolution: int, precision: str, prepack: bool = True, shape: str = "sd15") -> str:
     """Where :func:`memory_per_process` takes its number from, in one sentence."""
-    basis, derived = _memory_row(resolution, precision, prepack)
+    basis, derived = _memory_row(resolution, precision, prepack, shape)
     notes = [f"{basis.peak_mib / 1024:.1f} GiB measured at {basis.resolution} px ({basis.source})"]
     if derived:
         notes.append("less the prepacked copies (not measured unpacked)")
@@ -260,12 +284,13 @@ def memory_warning(
     precision: str,
     prepack: bool = True,
     *,
+    shape: str = "sd15",
     nodes_here: int = 1,
     node_bytes: int | None = None,
 ) -> str | None:
     """The one-line warning when the processes this node would run need more than its memory, else None.
 
-    The need is :func:`memory_per_process` (the engine training the Stable Diffusion v1.5 shape) times
+    The need is :func:`memory_per_process` (the engine training a model of ``shape``) times
     the processes; the memory is this machine's total (:func:`local_memory_bytes`). Only this node
     can be checked here: the memory of other nodes (a hostfile's remote hosts, the nodes of a Ray
     cluster) is not known to the launcher, so they are not checked.
@@ -274,10 +299,11 @@ def memory_warning(
         nproc_per_node: processes per node.
         resolution, precision, prepack: the run's pixels, ``"no"`` (fp32) or ``"bf16"`` as resolved
             for this CPU, and whether the frozen weights are prepacked.
+        shape: the model's layer sizes, ``"sd15"`` or ``"sdxl"``.
         nodes_here: nodes of the job that are this machine (tests run several "nodes" on one).
         node_bytes: this node's memory (default: :func:`local_memory_bytes`).
     """
-    need = memory_per_process(resolution, precision, prepack)
+    need = memory_per_process(resolution, precision, prepack, shape)
     have = local_memory_bytes() if node_bytes is None else node_bytes
     processes = nproc_per_node * nodes_here
     if processes * need <= have:
@@ -291,7 +317,8 @@ def memory_warning(
         else "not even one process per node fits: use a node with more memory"
     )
     return (
-        f"warning: {who} × ~{need / gib:.1f} GiB each ({'fp32' if precision == 'no' else precision}, "
+        f"warning: {who} × ~{need / gib:.1f} GiB each ({'SDXL, ' if shape == 'sdxl' else ''}"
+        f"{'fp32' if precision == 'no' else precision}, "
         f"{resolution} px) need {processes * need / gib:.1f} GiB; this node has {have / gib:.1f} GiB — "
         f"expect swapping or an out-of-memory kill; {fix}"
     )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers import launch
-from helpers.launching import preflight
-from helpers.training import data
+from helpers.launching import job, preflight
+from helpers.training import data, models_xl
 
 GIB = 2**30
 
@@ -62,3 +64,33 @@ def test_memory_warning_counts_every_node_on_this_machine_and_says_when_none_fit
         "with more memory"
     )
     assert preflight.memory_warning(1, 256, "bf16", node_bytes=6 * GIB) is None
+
+
+def test_launch_warns_for_sdxl_from_its_own_measurement(tmp_path, capsys, monkeypatch):
+    """notebook 07's Hub SDXL at its 1024 px in bf16: 7.8 GiB of weights (the UNet in bf16, both
+    encoders in fp32) and the 9.4 GiB above them measured at 512 px, x4 for the pixels."""
+    monkeypatch.setattr(preflight, "local_memory_bytes", lambda: 64 * GIB)
+    sdxl = ["--pretrained_model_name_or_path", "stabilityai/stable-diffusion-xl-base-1.0", "--resolution", "1024",
+            "--mixed_precision", "bf16", "--train_data_dir", str(data.sample_concept_dir())]  # fmt: skip
+    assert _launch(tmp_path, *sdxl) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "GiB" in line] == [
+        "warning: 2 processes per node × ~45.5 GiB each (SDXL, bf16, 1024 px) need 91.0 GiB; this node has "
+        "64.0 GiB — expect swapping or an out-of-memory kill; pass --nproc_per_node 1"
+    ]
+
+
+def test_the_measured_shape_is_read_from_the_unet_config(tmp_path):
+    for name, widths in (("xl", models_xl.SDXL_SHAPE_CONFIGS[2]["block_out_channels"]), ("other", [32, 64])):
+        (tmp_path / name / "unet").mkdir(parents=True)
+        (tmp_path / name / "unet" / "config.json").write_text(
+            json.dumps({"block_out_channels": list(widths)})
+        )
+    assert job._measured_shape(str(tmp_path / "xl")) == "sdxl"
+    assert job._measured_shape(str(tmp_path / "other")) is None  # another UNet: nothing measured applies
+    assert job._measured_shape("tiny-xl") is None and job._measured_shape("toyworld") is None
+    assert job._measured_shape("stable-diffusion-v1-5/stable-diffusion-v1-5") == "sd15"  # not cached here
+    # SDXL in fp32, or prepacked: not measured, so no figure rather than SD v1.5's
+    with pytest.raises(ValueError, match="no memory measured for the sdxl shape"):
+        preflight.memory_per_process(512, "no", prepack=False, shape="sdxl")
+    with pytest.raises(ValueError, match="sdxl, bf16, prepack=True: no memory measured nor derivable"):
+        preflight.memory_per_process(256, "bf16", prepack=True, shape="sdxl")
