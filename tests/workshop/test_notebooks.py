@@ -318,6 +318,11 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     ]
     # what the real SDXL base 1.0 weighs, counted on the meta device (its published UNet size)
     assert r["sdxl_parameters"]["unet"] == 2_567_463_684 and r["sdxl_parameters"]["total"] > 3.4e9
+    # one process's peak, as helpers.launch warns with it: measured at 512 px, scaled to 1024 px
+    memory = {row["resolution"]: row for row in r["sdxl_memory"]}
+    assert [memory[px]["GiB per process (bf16)"] for px in (512, 1024)] == [17.2, 45.5]
+    assert [memory[px]["processes per Standard_D8_v5"] for px in (512, 1024)] == [1, 0]  # 32 GiB
+    assert [memory[px]["processes per Standard_E32_v5"] for px in (512, 1024)] == [14, 5]  # 256 GiB
     embeds = [load_file(p) for p in r["learned_embeds_paths"]]
     assert [Path(p).name for p in r["learned_embeds_paths"]] == [
         "learned_embeds.safetensors",
