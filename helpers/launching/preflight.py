@@ -193,9 +193,7 @@ class PeakMemory:
     precision: str  # "bf16" or "no" (fp32)
     prepack: bool  # prepack_convs or prepack_linears on (the default: below 512 px, where the copies fit), else both off
     peak_mib: float
-    source: (
-        str  # the bench/results file it comes from (``python -m bench.train_step`` or ``bench.end_to_end``)
-    )
+    source: str  # the bench/results file it comes from (bench.train_step or bench.end_to_end)
     shape: str = "sd15"
 
 
