@@ -217,9 +217,8 @@ def pytest_terminal_summary(terminalreporter):
         total = modules.setdefault(nodeid.split("::")[0], dict.fromkeys(row, 0))
         for key, value in row.items():
             total[key] += value
-    by_cpu = lambda rows: dict(sorted(rows.items(), key=lambda kv: -kv[1]["cpu_seconds"]))  # noqa: E731
     terminalreporter.section("wall seconds, CPU seconds and processes started per test module")
-    for module, row in by_cpu(modules).items():
+    for module, row in _by_cpu(modules).items():
         terminalreporter.write_line(
             f"{row['seconds']:8.1f} s {row['cpu_seconds']:8.1f} s CPU {int(row['processes']):5d} processes  {module}"
         )
@@ -230,5 +229,11 @@ def pytest_terminal_summary(terminalreporter):
         / ("test-times.json" if env == ".venv" else f"test-times.{env.lstrip('.')}.json")
     )
     path.parent.mkdir(exist_ok=True)
-    rounded = lambda rows: {k: {f: round(v, 1) for f, v in r.items()} for k, r in by_cpu(rows).items()}  # noqa: E731
-    path.write_text(json.dumps({"modules": rounded(modules), "tests": rounded(_TESTS)}, indent=1))
+    rounded = {name: _by_cpu(rows) for name, rows in (("modules", modules), ("tests", _TESTS))}
+    path.write_text(json.dumps(rounded, indent=1))
+
+
+def _by_cpu(rows: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``rows`` most CPU seconds first, each figure to a tenth."""
+    ordered = sorted(rows.items(), key=lambda kv: -kv[1]["cpu_seconds"])
+    return {key: {field: round(value, 1) for field, value in row.items()} for key, row in ordered}
