@@ -510,12 +510,11 @@ def test_two_ranks_all_reduce_only_the_lora_matrices(process_runs, launcher):
 def test_two_processes_batch_1_equal_one_process_batch_2(process_runs):
     """Same items, same keyed draws, gradients averaged over the ranks: the same update.
 
-    Against one process with batch 2 the
-    per-step losses agree to rounding (1e-4; measured up to 1.9e-5 on a Xeon with AMX, while the
-    run on half the data is 3-6 % off), and the LoRA updates (B @ A of each layer) to 10 % of
-    their norm. Not element by element: AdamW's first step moves every element of B by the
-    learning rate times the sign of its gradient, so where a gradient element nearly cancels, fp32
-    rounding flips it. How often depends on the CPU's kernels: the largest single layer's
+    Against one process with batch 2 the per-step losses agree to rounding (1e-4; measured up to
+    1.9e-5 on a Xeon with AMX, while the run on half the data is 3-6 % off), and the LoRA updates
+    (B @ A of each layer) to 10 % of their norm. Not element by element: AdamW's first step moves
+    every element of B by the learning rate times the sign of its gradient, so where a gradient
+    element nearly cancels, fp32 rounding flips it. How often depends on the CPU's kernels: the largest single layer's
     difference measured 1.4 % on an AMD EPYC and 77 % on a Xeon with AMX (400 % in the mid-block's
     q and k, whose true gradient is zero), while over all layers it was 2.7 % there, and 89 % for
     the run trained on half the data per step, as a rank would without the all-reduce.
