@@ -364,9 +364,9 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
         assert (launched["processes"], launched["steps"], launched["backend"]) == (2, 10, AUTO)
         assert launched["largest loss difference"] < 1e-3
     # what the all-reduce carried: the new rows of both encoders; the LoRA of the UNet and both encoders
+    profile = notebooks.tiny_profile("07_sdxl")  # section 3 writes each run beside its one-process run
     ti_run, lora_run = (
-        notebook_run_dir / "outputs" / f"{name}-2proc"
-        for name in ("pip-toyworld-xl", "pip-dreambooth-toyworld-xl")
+        notebook_run_dir / f"{profile[name]}-2proc" for name in ("ti_output_dir", "lora_output_dir")
     )
     ti_s, lora_s = (json.loads((run / "run_summary.json").read_text()) for run in (ti_run, lora_run))
     rows = sum(
