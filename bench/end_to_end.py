@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--rounds", type=int, default=1, help="runs of every mode (alternating order)")
     parser.add_argument(
+        "--no-prepack",
+        dest="prepack",
+        action="store_false",
+        help="ours without prepacked copies (--no-prepack_convs --no-prepack_linears), for a peak "
+        "that does not depend on the free memory (the default packs below 512 px as far as it fits)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=None, help="seconds per run (default 600 + 30 per step)"
     )
     parser.add_argument("--out", default=None, help="default: bench/results/end_to_end-<...>.json")
@@ -152,6 +159,7 @@ def run_once(
         argv = [sys.executable, "-m", "bench.end_to_end", "--reference", *flags]
     else:
         argv = [sys.executable, "-m", "helpers.train", *flags, "--latent_cache_dir", str(cache)]
+        argv += [] if args.prepack else ["--no-prepack_convs", "--no-prepack_linears"]
     env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
     timeout = args.timeout or 600 + 30 * args.steps
     returncode, wall, peak_kib = _run_measured(argv, tmp, env, timeout, tmp / f"{mode}.log")
@@ -238,6 +246,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "batch": 1,
         "steps": args.steps,
         "mixed_precision": args.mixed_precision,
+        "prepack": "default" if args.prepack else "no",
         "threads": cpu.physical_cores(),
         "rounds": args.rounds,
         "modes": list(args.modes),
@@ -252,7 +261,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 result[f"speedup_{m}"] = ref["wall_seconds"] / medians[m]["wall_seconds"]
                 result[f"step_speedup_{m}"] = ref["seconds_per_step"] / medians[m]["seconds_per_step"]
     precision = "bf16" if args.mixed_precision == "bf16" else "fp32"
-    name = f"end_to_end-{args.model}-{args.resolution}px-{args.steps}steps-{precision}.json"
+    unpacked = "" if args.prepack else "-unpacked"
+    name = f"end_to_end-{args.model}-{args.resolution}px-{args.steps}steps-{precision}{unpacked}.json"
     out = common.results_path(name, args.out)
     common.write_json(out, result)
     print("\n" + "\n".join(table([result])))
@@ -287,8 +297,10 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         )
         first = f"**{r['speedup_ours']:.2f}x**" if "speedup_ours" in r else "-"
         rerun = f"{r['speedup_ours_warm']:.2f}x" if "speedup_ours_warm" in r else "-"
+        precision = "bf16" if r["mixed_precision"] == "bf16" else "fp32"
+        precision += ", ours unpacked" if r.get("prepack") == "no" else ""
         lines.append(
-            f"| {r['model']} | {r['resolution']} | {'bf16' if r['mixed_precision'] == 'bf16' else 'fp32'} | "
+            f"| {r['model']} | {r['resolution']} | {precision} | "
             f"{r['steps']} | {wall.get('reference', '-')} | {wall.get('ours', '-')} | "
             f"{wall.get('ours_warm', '-')} | {first} | {rerun} | {per_step} | {peak} |"
         )

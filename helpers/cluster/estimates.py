@@ -31,7 +31,7 @@ WORKSHOP_DEFAULTS = {"max_train_steps": 1000, "resolution": 512, "train_batch_si
 
 @dataclass(frozen=True)
 class StepTime:
-    """One measured training step of the engine on the Stable Diffusion v1.5 shape."""
+    """One measured training step of the engine on a model's shape (SD v1.5's unless ``shape`` says)."""
 
     cpu: str
     native_bf16: bool
@@ -43,10 +43,12 @@ class StepTime:
     seconds_per_step: float
     reference_seconds_per_step: float  # diffusers' full-matrix step, measured beside it
     source: str  # the bench/results file it comes from
+    shape: str = "sd15"  # "sd15" (bench.train_step) or "sdxl" (bench.end_to_end: whole commands)
 
 
 EPYC = "AMD EPYC (AVX-512, AVX512-BF16)"
 XEON_AMX = "Intel Xeon (AMX, AVX512-BF16)"
+XEON_BF16 = "Intel Xeon (AVX512-BF16, no AMX)"
 MEASURED: tuple[StepTime, ...] = (
     StepTime(EPYC, True, False, 2, 256, 1, "bf16", 1.26, 2.41, "bench/results/train_step-sd15-shape-256px-bf16.json"),
     StepTime(EPYC, True, False, 2, 256, 1, "no", 2.19, 4.47, "bench/results/train_step-sd15-shape-256px.json"),
@@ -54,6 +56,10 @@ MEASURED: tuple[StepTime, ...] = (
              "bench/results/xeon-amx/train_step-sd15-shape-256px-bf16.json"),
     StepTime(XEON_AMX, True, True, 2, 256, 1, "no", 1.70, 3.10,
              "bench/results/xeon-amx/train_step-sd15-shape-256px.json"),
+    StepTime(XEON_BF16, True, False, 2, 512, 1, "bf16", 29.05, 42.78,
+             "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-512px-3steps-bf16.json", "sdxl"),
+    StepTime(XEON_BF16, True, False, 2, 256, 1, "no", 9.06, 10.82,
+             "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-256px-3steps-fp32-unpacked.json", "sdxl"),
 )  # fmt: skip
 
 
@@ -99,6 +105,7 @@ def training_time(
     native_bf16: bool | None = None,
     cpu: str | None = None,
     amx: bool | None = None,
+    shape: str = "sd15",
 ) -> TrainingTime:
     """Expected wall time of ``max_train_steps`` optimizer steps.
 
@@ -113,8 +120,17 @@ def training_time(
         cpu: the CPU's name, to say when the measurement comes from another CPU.
         amx: whether the CPU has AMX (None: unknown); picks the row. Where the family is not
             known, the slowest candidate is the estimate.
+        shape: the model's shape, ``"sd15"`` or ``"sdxl"``: only its own rows are a basis.
+
+    Raises:
+        ValueError: no step of ``shape`` is measured.
     """
-    rows = [m for m in MEASURED if m.precision == precision] or list(MEASURED)
+    shaped = [m for m in MEASURED if m.shape == shape]
+    if not shaped:
+        raise ValueError(
+            f"shape={shape!r}: no step time measured (measured: {sorted({m.shape for m in MEASURED})})"
+        )
+    rows = [m for m in shaped if m.precision == precision] or shaped
     same_family = [m for m in rows if native_bf16 in (None, m.native_bf16) and amx in (None, m.amx)]
     basis = min(same_family or rows, key=lambda m: (abs(m.resolution - resolution), -m.seconds_per_step))
     cores_per_process = max(1, physical_cores // max(1, processes))
@@ -145,24 +161,82 @@ def workshop_time(report) -> TrainingTime:
                          amx=bool(report.isa_flags.get("amx_bf16")))  # fmt: skip
 
 
-def cluster_time(vm_size: str, node_count: int, nproc_per_node: int = 2) -> TrainingTime:
-    """The real defaults' images spread over a cluster of ``vm_size`` nodes (notebooks 03-04).
+def cluster_time(
+    vm_size: str,
+    node_count: int,
+    nproc_per_node: int = 2,
+    images: int = WORKSHOP_DEFAULTS["max_train_steps"] * WORKSHOP_DEFAULTS["train_batch_size"],
+    resolution: int = WORKSHOP_DEFAULTS["resolution"],
+    shape: str = "sd15",
+) -> TrainingTime:
+    """``images`` spread over a cluster of ``vm_size`` nodes (notebooks 01, 03-04 and 07).
 
-    The cluster trains on as many images as notebook 02 does on one machine (1000 steps of one
-    image), each process taking one image per step: ``ceil(1000 / world size)`` steps. Hyper-threads
-    do not count (an Azure vCPU is half a core). Mixed fleets (Dv5: Ice Lake or Sapphire Rapids)
-    are estimated for fp32, the precision ``auto`` picks on the slower host.
+    By default the cluster trains on as many images as notebook 02 does on one machine (1000 steps
+    of one image). Each process takes one image per step: ``ceil(images / world size)`` steps.
+    Hyper-threads do not count (an Azure vCPU is half a core). Mixed fleets (Dv5: Ice Lake or
+    Sapphire Rapids) are estimated in the precision ``auto`` picks on the slower host (:func:`vm_precision`).
     """
     vcpus = azure_data.vcpus(vm_size)
     if vcpus is None:
         raise ValueError(f"vm_size={vm_size!r}: not an Azure size name such as Standard_D8_v5")
     row = azure_data.size_series(vm_size)
-    native = row.native_bf16 if row else None
-    images = WORKSHOP_DEFAULTS["max_train_steps"] * WORKSHOP_DEFAULTS["train_batch_size"]
     world = node_count * nproc_per_node
-    return training_time(-(-images // world), WORKSHOP_DEFAULTS["resolution"], 1, "bf16" if native else "no",
-                         max(1, vcpus // 2), nproc_per_node, native, row.cpu if row else vm_size,
-                         row.amx if row else None)  # fmt: skip
+    return training_time(-(-images // world), resolution, 1, vm_precision(vm_size), max(1, vcpus // 2),
+                         nproc_per_node, row.native_bf16 if row else None, row.cpu if row else vm_size,
+                         row.amx if row else None, shape)  # fmt: skip
+
+
+def vm_precision(vm_size: str) -> str:
+    """``"bf16"`` where every host of ``vm_size`` computes bf16 natively, else ``"no"`` (fp32)."""
+    row = azure_data.size_series(vm_size)
+    return "bf16" if row and row.native_bf16 else "no"
+
+
+@dataclass(frozen=True)
+class ClusterRun:
+    """One training run on ``node_count`` nodes of ``vm_size``: processes that fit, hours, dollars."""
+
+    vm_size: str
+    node_count: int
+    resolution: int
+    precision: str
+    processes_per_node: int  # 0: one process does not fit a node's memory
+    time: TrainingTime | None  # None where nothing fits
+    usd_per_node_hour: float | None  # None: the size has no price in helpers.cluster.prices
+
+    @property
+    def usd(self) -> float | None:
+        """The nodes' list price over the training hours (not the set-up, disks or network)."""
+        if self.time is None or self.usd_per_node_hour is None:
+            return None
+        return round(self.time.hours * self.node_count * self.usd_per_node_hour, 2)
+
+    def row(self) -> dict:
+        """The run as a table row for a notebook."""
+        return {
+            "VM size": self.vm_size, "px": self.resolution, "precision": "bf16" if self.precision == "bf16" else "fp32",
+            "processes per node": self.processes_per_node,
+            "hours": round(self.time.hours, 1) if self.time else None, "USD (VMs, training only)": self.usd,
+        }  # fmt: skip
+
+
+def cluster_run(
+    vm_size: str,
+    node_count: int,
+    images: int,
+    resolution: int,
+    shape: str = "sd15",
+    max_processes_per_node: int = 4,
+) -> ClusterRun:
+    """``images`` of ``resolution`` px on ``node_count`` nodes of ``vm_size``, each running as many
+    processes as fit its memory (unpacked weights, the default from 512 px), at most
+    ``max_processes_per_node``; :func:`cluster_time` for the hours and the price table for the dollars."""
+    precision = vm_precision(vm_size)
+    fit = min(max_processes_per_node, processes_that_fit(vm_size, resolution, precision, False, shape))
+    time = cluster_time(vm_size, node_count, fit, images, resolution, shape) if fit else None
+    return ClusterRun(
+        vm_size, node_count, resolution, precision, fit, time, azure_data.vm_usd_per_hour(vm_size)
+    )
 
 
 # --- memory ---------------------------------------------------------------------------------

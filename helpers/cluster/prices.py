@@ -101,6 +101,14 @@ def vcpus(vm_size: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def vm_usd_per_hour(vm_size: str) -> float | None:
+    """List price of one ``vm_size`` VM (USD per hour, :data:`PRICES_REGION`), or ``None`` if not in the table."""
+    row, cpus = size_series(vm_size), vcpus(vm_size)
+    if row is None or row.usd_per_vcpu_hour is None or cpus is None:
+        return None
+    return round(row.usd_per_vcpu_hour * cpus, 4)
+
+
 def bf16_advice(vm_size: str) -> str:
     """One sentence on whether training in bf16 is a good idea on ``vm_size``."""
     row = size_series(vm_size)

@@ -15,18 +15,28 @@ from helpers.workshop import notebooks
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("row", estimates.MEASURED, ids=lambda r: f"{r.source.split('/')[-2]}-{r.precision}")
+@pytest.mark.parametrize(
+    "row",
+    estimates.MEASURED,
+    ids=lambda r: f"{r.source.split('/')[-2]}-{r.shape}-{r.resolution}-{r.precision}",
+)
 def test_every_measured_row_is_its_benchmark_result(row):
     result = json.loads((ROOT / row.source).read_text())
     assert (result["model"], result["resolution"], result["batch"]) == (
-        "sd15-shape",
+        f"{row.shape}-shape",
         row.resolution,
         row.batch,
     )
     assert result["mixed_precision"] == row.precision and result["threads"] == row.physical_cores
-    assert round(result["modes"]["ours"]["seconds_per_step"]["median"], 2) == row.seconds_per_step
-    assert (
-        round(result["modes"]["reference"]["seconds_per_step"]["median"], 2) == row.reference_seconds_per_step
+    if "runs" in result:  # bench.end_to_end: whole commands
+        seconds = {mode: result["medians"][mode]["seconds_per_step"] for mode in ("ours", "reference")}
+    else:  # bench.train_step
+        seconds = {
+            mode: result["modes"][mode]["seconds_per_step"]["median"] for mode in ("ours", "reference")
+        }
+    assert (round(seconds["ours"], 2), round(seconds["reference"], 2)) == (
+        row.seconds_per_step,
+        row.reference_seconds_per_step,
     )
     assert all(word in result["machine"]["cpu"] for word in row.cpu.split(" (")[0].split())
     assert ("avx512_bf16" in result["machine"]["isa"]) == row.native_bf16
@@ -61,7 +71,9 @@ def test_each_cpu_family_takes_its_own_row():
     """AMX or not picks the row; where the family is unknown, the slowest row of the precision."""
 
     def row(precision, amx):
-        return next(m for m in estimates.MEASURED if m.precision == precision and m.amx == amx)
+        return next(
+            m for m in estimates.MEASURED if (m.precision, m.amx, m.shape) == (precision, amx, "sd15")
+        )
 
     for precision in ("bf16", "no"):
         for amx in (True, False):
@@ -98,6 +110,40 @@ def test_cluster_time_spreads_notebook_02s_images_over_every_process():
     assert estimates.cluster_time("Standard_D16s_v6", 1).basis.precision == "bf16"  # Emerald Rapids: AMX
     with pytest.raises(ValueError, match="not an Azure size name"):
         estimates.cluster_time("big-machine", 1)
+
+
+def test_a_shape_is_estimated_from_its_own_rows_only():
+    sdxl = [m for m in estimates.MEASURED if m.shape == "sdxl"]
+    for precision in {m.precision for m in sdxl}:
+        got = estimates.training_time(10, 1024, 1, precision, 2, native_bf16=True, amx=False, shape="sdxl")
+        basis = next(m for m in sdxl if m.precision == precision)
+        assert got.basis is basis
+        assert got.seconds_per_step == pytest.approx(basis.seconds_per_step * (1024 / basis.resolution) ** 2)
+    sd15 = estimates.training_time(10, 512, 1, "bf16", 2, native_bf16=True, amx=False)
+    assert sd15.basis.shape == "sd15" and sd15.basis.seconds_per_step < sdxl[0].seconds_per_step
+    with pytest.raises(
+        ValueError, match=r"shape='sd3': no step time measured \(measured: \['sd15', 'sdxl'\]\)"
+    ):
+        estimates.training_time(10, 512, 1, "bf16", 2, shape="sd3")
+
+
+def test_a_cluster_run_fits_processes_then_prices_the_hours(monkeypatch):
+    gib = 2**30
+    need = {512: 20 * gib, 1024: 50 * gib}  # per process; E16s_v5: 128 GiB, less 2 for the OS
+    monkeypatch.setattr(estimates, "memory_per_process", lambda res, precision, prepack, shape: need[res])
+    run = estimates.cluster_run("Standard_E16s_v5", 4, 3200, 512, "sdxl")
+    assert (run.precision, run.processes_per_node) == ("no", 4)  # 6 fit; at most 4 (the guide's)
+    assert run.time == estimates.cluster_time("Standard_E16s_v5", 4, 4, 3200, 512, "sdxl")
+    assert run.time.seconds == pytest.approx(200 * run.time.seconds_per_step)  # 3,200 images / 16 processes
+    assert run.usd_per_node_hour == 16 * 0.063 and run.usd == round(run.time.hours * 4 * 16 * 0.063, 2)
+    big = estimates.cluster_run("Standard_E16s_v5", 4, 3200, 1024, "sdxl")
+    assert big.processes_per_node == 2 and big.time.seconds == pytest.approx(400 * big.time.seconds_per_step)
+    assert big.row() == {"VM size": "Standard_E16s_v5", "px": 1024, "precision": "fp32", "processes per node": 2,
+                         "hours": round(big.time.hours, 1), "USD (VMs, training only)": big.usd}  # fmt: skip
+    nothing = estimates.cluster_run("Standard_D8_v5", 4, 3200, 1024, "sdxl")  # 30 GiB usable
+    assert (nothing.processes_per_node, nothing.time, nothing.usd) == (0, None, None)
+    unpriced = estimates.cluster_run("Standard_E32s_v6", 4, 3200, 512, "sdxl")  # AMX: bf16; no price yet
+    assert unpriced.precision == "bf16" and unpriced.time is not None and unpriced.usd is None
 
 
 @pytest.mark.parametrize(

@@ -89,8 +89,14 @@ def test_the_measured_shape_is_read_from_the_unet_config(tmp_path):
     assert job._measured_shape(str(tmp_path / "other")) is None  # another UNet: nothing measured applies
     assert job._measured_shape("tiny-xl") is None and job._measured_shape("toyworld") is None
     assert job._measured_shape("stable-diffusion-v1-5/stable-diffusion-v1-5") == "sd15"  # not cached here
-    # SDXL in fp32, or prepacked: not measured, so no figure rather than SD v1.5's
-    with pytest.raises(ValueError, match="no memory measured for the sdxl shape"):
-        preflight.memory_per_process(512, "no", prepack=False, shape="sdxl")
-    with pytest.raises(ValueError, match="sdxl, bf16, prepack=True: no memory measured nor derivable"):
-        preflight.memory_per_process(256, "bf16", prepack=True, shape="sdxl")
+    # SDXL in fp32 from its own row (256 px, unpacked): its 12.61 GiB of weights, the rest x4 at 512 px
+    above = 15133.4 * 2**20 - 12.61 * GIB
+    assert preflight.memory_per_process(512, "no", prepack=False, shape="sdxl") == int(
+        12.61 * GIB + 4 * above
+    )
+    # prepacked: not measured, so no figure rather than SD v1.5's
+    for precision in ("no", "bf16"):
+        with pytest.raises(
+            ValueError, match=f"sdxl, {precision}, prepack=True: no memory measured nor derivable"
+        ):
+            preflight.memory_per_process(256, precision, prepack=True, shape="sdxl")

@@ -319,10 +319,23 @@ def test_notebook_07_records(notebook_records, notebook_run_dir):
     # what the real SDXL base 1.0 weighs, counted on the meta device (its published UNet size)
     assert r["sdxl_parameters"]["unet"] == 2_567_463_684 and r["sdxl_parameters"]["total"] > 3.4e9
     # one process's peak, as helpers.launch warns with it: measured at 512 px, scaled to 1024 px
-    memory = {row["resolution"]: row for row in r["sdxl_memory"]}
-    assert [memory[px]["GiB per process (bf16)"] for px in (512, 1024)] == [17.2, 45.5]
-    assert [memory[px]["processes per Standard_D8_v5"] for px in (512, 1024)] == [1, 0]  # 32 GiB
-    assert [memory[px]["processes per Standard_E32_v5"] for px in (512, 1024)] == [14, 5]  # 256 GiB
+    # (bf16 measured at 512 px; fp32 at 256 px, 12.6 GiB of weights and 2.2 above them, x4 and x16)
+    memory = {(row["precision"], row["resolution"]): row for row in r["sdxl_memory"]}
+    keys = [("bf16", 512), ("bf16", 1024), ("fp32", 512), ("fp32", 1024)]
+    assert [memory[k]["GiB per process"] for k in keys] == [17.2, 45.5, 21.3, 47.3]
+    assert [memory[k]["processes per Standard_D8_v5"] for k in keys] == [1, 0, 1, 0]  # 32 GiB
+    assert [memory[k]["processes per Standard_E32_v5"] for k in keys] == [14, 5, 11, 5]  # 256 GiB
+    # the guide's 3,200 pictures on 4 nodes: v5 sizes in fp32 (hosts without bf16), the v6 in bf16
+    cost = {(row["VM size"], row["px"]): row for row in r["sdxl_cost"]}
+    assert cost["Standard_D8_v5", 1024] == {"VM size": "Standard_D8_v5", "px": 1024, "precision": "fp32",
+                                            "processes per node": 0, "hours": None, "USD (VMs, training only)": None}  # fmt: skip
+    # E32: 4 processes (11 fit) of 4 cores; 200 steps of 9.06 s x4 pixels x 2/4 cores = 18.1 s: 1.0 h
+    # of 4 nodes at 32 x $0.063 an hour
+    e32 = cost["Standard_E32_v5", 512]
+    assert (e32["precision"], e32["processes per node"], e32["hours"]) == ("fp32", 4, 1.0)
+    assert e32["USD (VMs, training only)"] == pytest.approx(200 * 9.06 * 2 / 3600 * 4 * 32 * 0.063, abs=0.01)
+    v6 = cost["Standard_E32s_v6", 1024]
+    assert (v6["precision"], v6["USD (VMs, training only)"]) == ("bf16", None)  # AMX; no price in the table
     embeds = [load_file(p) for p in r["learned_embeds_paths"]]
     assert [Path(p).name for p in r["learned_embeds_paths"]] == [
         "learned_embeds.safetensors",

@@ -65,15 +65,13 @@ def estimate_cost(
         raise AzureSpecError(
             f"vm_price_per_hour={vm_price_per_hour:g}: must be a price in USD of 0 or more, e.g. 0.192"
         )
-    row = azure_data.size_series(spec.vm_size)
     if vm_price_per_hour is None:
-        cpus = azure_data.vcpus(spec.vm_size)
-        if row is None or row.usd_per_vcpu_hour is None or cpus is None:
+        vm_price_per_hour = azure_data.vm_usd_per_hour(spec.vm_size)
+        if vm_price_per_hour is None:
             raise AzureSpecError(
                 f"vm_size={spec.vm_size!r}: no price in helpers.cluster.prices (checked {azure_data.PRICES_CHECKED_ON}). "
                 "Fix: pass vm_price_per_hour= from https://azure.microsoft.com/pricing/calculator/"
             )
-        vm_price_per_hour = round(row.usd_per_vcpu_hour * cpus, 4)
     items = (
         (f"{spec.node_count} x {spec.vm_size}", round(spec.node_count * vm_price_per_hour, 4)),
         ("NAT gateway", azure_data.NAT_GATEWAY_USD_PER_HOUR),
