@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export AZURE_CORE_COLLECT_TELEMETRY ?= false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-ipex system-packages demo lab handouts test test-fast test-ipex lint format bench toyworld toyworld-xl clean distclean
+.PHONY: setup setup-ipex system-packages demo lab handouts test test-fast test-ipex coverage lint format bench toyworld toyworld-xl clean distclean
 
 setup: $(VENV)/.setup-done
 
@@ -80,6 +80,15 @@ test-fast: setup
 # The IPEX path, really run (tests/test_ipex.py); WORKSHOP_REQUIRE_IPEX turns "not installed" into a failure.
 test-ipex: setup-ipex
 	WORKSHOP_REQUIRE_IPEX=1 $(IPEX_PY) -m pytest -q tests/test_ipex.py
+
+# Line coverage of helpers/ over `make test`'s run, the processes it starts included ([tool.coverage]
+# in pyproject.toml): the total is the last line, per file in build/coverage.txt. Not part of CI
+# (slower than make test); processes ended by a signal (the signal tests' ranks) save nothing.
+COVERAGE := COVERAGE_FILE=$(CURDIR)/build/coverage/data $(PY) -m coverage
+coverage: setup system-packages
+	rm -rf build/coverage && mkdir -p build/coverage
+	$(COVERAGE) run -m pytest -q -n 2 --dist loadscope -p no:cacheprovider; status=$$?; \
+	$(COVERAGE) combine -q && $(COVERAGE) report > build/coverage.txt; tail -n 1 build/coverage.txt; exit $$status
 
 lint: setup
 	$(VENV)/bin/ruff check helpers tests bench
