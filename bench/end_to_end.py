@@ -270,6 +270,90 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def whole_process(
+    model_name: str, resolution: int, precision: str, short: int, long: int, rounds: int, out: str | None
+) -> dict[str, Any]:
+    """Seconds per step as users pay them: whole processes of the guides' command at two lengths.
+
+    Per mode, per step = (T(``long`` steps) - T(``short`` steps)) / (``long`` - ``short``), each T a
+    whole process from start to exit; start-up, loading and saving cancel out. Every run starts
+    from the same cache state: the model's files in the page cache, and for ours a latent cache
+    that a first, untimed run of one step filled (its cold start is ``bench.end_to_end``'s view).
+    Rounds alternate the order of lengths and modes. Writes ``train_step_whole-<model>-<px>px[-bf16].json``.
+    """
+    model = common.model_dir(model_name)
+    startup.read_model_files(model)
+    walls: dict[str, dict[int, list[float]]] = {m: {short: [], long: []} for m in ("ours_warm", "reference")}
+    steady: dict[str, list[float]] = {m: [] for m in walls}
+    with tempfile.TemporaryDirectory(prefix="bench-whole-process-") as work:
+        tmp = Path(work)
+        concept, cache = common.concept_dir(resolution, tmp / "concept"), tmp / "cache"
+
+        def run(mode: str, steps: int) -> dict[str, Any]:
+            settings = argparse.Namespace(
+                resolution=resolution, steps=steps, mixed_precision=precision, timeout=None, prepack=True
+            )
+            with tempfile.TemporaryDirectory(dir=tmp) as run_dir:
+                return run_once(mode, model, concept, cache, settings, Path(run_dir))
+
+        run("ours", 1)  # fills the latent cache: every timed run of ours finds it warm
+        for round_ in range(rounds):
+            flip = round_ % 2 == 1
+            for steps in (long, short) if flip else (short, long):
+                for mode in reversed(list(walls)) if flip else walls:
+                    r = run(mode, steps)
+                    walls[mode][steps].append(r["wall_seconds"])
+                    steady[mode].append(r["seconds_per_step"])
+                    print(
+                        f"round {round_} {mode:>9} {steps:3d} steps: {r['wall_seconds']:7.1f} s", flush=True
+                    )
+    per_step = {
+        m: (statistics.median(w[long]) - statistics.median(w[short])) / (long - short)
+        for m, w in walls.items()
+    }
+    result: dict[str, Any] = {
+        "model": model_name,
+        "resolution": resolution,
+        "batch": 1,
+        "mixed_precision": precision,
+        "threads": cpu.physical_cores(),
+        "rounds": rounds,
+        "steps": [short, long],
+        "wall_seconds": walls,
+        "seconds_per_step": per_step,  # differenced whole processes
+        "history_seconds_per_step": {m: statistics.median(v) for m, v in steady.items()},  # inside the runs
+        "speedup": per_step["reference"] / per_step["ours_warm"],
+        "machine": common.machine(),
+    }
+    suffix = "-bf16" if precision == "bf16" else ""
+    path = common.results_path(f"train_step_whole-{model_name}-{resolution}px{suffix}.json", out)
+    common.write_json(path, result)
+    print("\n".join(whole_process_table([result])) + f"\n\nwrote {path}")
+    return result
+
+
+def whole_process_table(results: list[dict[str, Any]]) -> list[str]:
+    """Markdown: seconds per step of whole processes, differenced, beside the steps' own history."""
+    lines = [
+        "Seconds per step as users pay them (`bench.train_step --whole_process SHORT LONG`: whole processes "
+        "of the guides' command, (T(LONG) - T(SHORT)) / (LONG - SHORT), ours on a warm latent cache; "
+        "medians; beside it the steps' own seconds inside the runs):",
+        "",
+        "| model | px | precision | steps | reference, s/step | ours, s/step | reference / ours "
+        "| inside the runs: reference / ours |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: (r["model"], r["resolution"], r["mixed_precision"] != "no")):
+        ref, ours = (r["seconds_per_step"][m] for m in ("reference", "ours_warm"))
+        inside = r["history_seconds_per_step"]
+        lines.append(
+            f"| {r['model']} | {r['resolution']} | {'bf16' if r['mixed_precision'] == 'bf16' else 'fp32'} | "
+            f"{r['steps'][0]} and {r['steps'][1]} | {ref:.2f} | {ours:.2f} | **{r['speedup']:.2f}x** | "
+            f"{inside['reference']:.2f} / {inside['ours_warm']:.2f} s |"
+        )
+    return lines
+
+
 def table(results: list[dict[str, Any]]) -> list[str]:
     """Markdown: whole-command seconds per mode and the ratios, one row per command."""
     lines = [

@@ -276,6 +276,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     for k, r in results.items():
         if k.startswith("startup-"):  # bench/startup.py: time to the first step, latent cache off/cold/warm
             out += ["", *startup.table(r)]
+    differenced = [r for k, r in results.items() if k.startswith("train_step_whole-")]
+    if differenced:  # bench.train_step --whole_process: per step as whole processes pay it
+        out += ["", *end_to_end.whole_process_table(differenced)]
     whole = [r for k, r in results.items() if k.startswith("end_to_end-")]
     if whole:  # bench/end_to_end.py: the guides' command as whole processes
         out += ["", *end_to_end.table(whole)]

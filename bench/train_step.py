@@ -18,6 +18,10 @@ only its linear layers, or nothing prepacked; the reference) and writes ``train_
 loaded machine, wall-clock is not, so a loaded machine can still measure memory.
 :mod:`helpers.cluster.estimates` reads its peaks (``memory_per_process``).
 
+``--whole_process SHORT LONG`` measures as users run it: whole processes of the guides' command
+(:func:`bench.end_to_end.whole_process`), per step = (T(LONG) - T(SHORT)) / (LONG - SHORT), ours on a
+warm latent cache, written to ``train_step_whole-<model>-<px>px[-bf16].json``.
+
 ``--ipex`` measures something else: the engine with and without Intel Extension for PyTorch, and
 in the workshop's own torch, in alternating fresh processes (``bench.optimisations``' ``ipex``).
 """
@@ -87,12 +91,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead: the engine with and without Intel Extension for PyTorch, in alternating fresh "
         "processes (run it from .venv-ipex: make setup-ipex)",
     )
+    parser.add_argument(
+        "--whole_process",
+        nargs=2,
+        type=int,
+        metavar=("SHORT", "LONG"),
+        help="instead: seconds per step of whole processes (the guides' command, bench.end_to_end's "
+        "ours on a warm latent cache and reference), (T(LONG) - T(SHORT)) / (LONG - SHORT)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="--whole_process: runs of each length and mode")
     parser.add_argument("--child", choices=MEMORY_MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ipex and (problem := cpu.ipex_problem()):
         parser.error(f"--ipex: {problem}. Fix: {cpu.IPEX_FIX}")
     if args.resolution is None:
         args.resolution = 64 if args.model == "tiny" else 256
+    if args.whole_process and not 0 < args.whole_process[0] < args.whole_process[1]:
+        parser.error(f"--whole_process {' '.join(map(str, args.whole_process))}: needs 0 < SHORT < LONG")
     return args
 
 
@@ -100,6 +115,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; return (and write) the results."""
     if args.ipex:
         return _ipex(args)
+    if args.whole_process:
+        from bench import end_to_end  # imports diffusers' pipeline classes: only this mode needs them
+
+        short, long = args.whole_process
+        return end_to_end.whole_process(
+            args.model, args.resolution, args.mixed_precision, short, long, args.rounds, args.out
+        )
     threads = cpu.set_threads(args.threads)
     if args.child:
         return _child(args)

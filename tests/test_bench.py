@@ -522,6 +522,36 @@ def test_end_to_end_benchmark_on_tiny(tmp_path):
     )
 
 
+def test_whole_process_mode_differences_two_lengths_on_a_warm_cache(tmp_path, monkeypatch, capsys):
+    """The arithmetic and the order of bench.train_step --whole_process; run_once, the whole
+    processes it times, is the one test_end_to_end_benchmark_on_tiny runs for real."""
+    calls = []
+
+    def run_once(mode, model, concept, cache, settings, run_dir):
+        calls.append((mode, settings.steps, cache))
+        start, step = {"ours": (10, 3), "ours_warm": (10, 3), "reference": (12, 5)}[mode]  # seconds
+        return {"wall_seconds": start + step * settings.steps, "seconds_per_step": step - 0.5}
+
+    monkeypatch.setattr(end_to_end, "run_once", run_once)
+    out = tmp_path / "w.json"
+    args = train_step.parse_args(["--model", "tiny", "--whole_process", "4", "14", "--rounds", "2"])
+    args.out = str(out)
+    result = train_step.main(args)
+    # one untimed run fills the cache, then both lengths of both modes, in the other order next round
+    assert [(m, n) for m, n, _ in calls] == [("ours", 1),
+        ("ours_warm", 4), ("reference", 4), ("ours_warm", 14), ("reference", 14),
+        ("reference", 14), ("ours_warm", 14), ("reference", 4), ("ours_warm", 4)]  # fmt: skip
+    assert len({cache for _, _, cache in calls}) == 1  # every run of ours reads the cache the first filled
+    assert result["seconds_per_step"] == {"ours_warm": 3.0, "reference": 5.0} and result["speedup"] == 5 / 3
+    assert json.loads(out.read_text())["wall_seconds"]["reference"] == {"4": [32.0, 32.0], "14": [82.0, 82.0]}
+    row = end_to_end.whole_process_table([result])[-1]
+    assert row == "| tiny | 64 | fp32 | 4 and 14 | 5.00 | 3.00 | **1.67x** | 4.50 / 2.50 s |"
+    assert row in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train_step.parse_args(["--whole_process", "14", "14"])
+    assert "--whole_process 14 14: needs 0 < SHORT < LONG" in capsys.readouterr().err
+
+
 def test_end_to_end_refuses_a_warm_run_without_its_first_run(capsys):
     with pytest.raises(SystemExit):
         end_to_end.parse_args(["--modes", "ours_warm", "reference"])
