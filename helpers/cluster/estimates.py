@@ -4,7 +4,9 @@ The notebooks run offline on a toy model in minutes; their real defaults (Stable
 512 px, 1000 steps) take hours on a small machine. :data:`MEASURED` holds step times measured by
 ``bench.train_step`` (each row names its result file in ``bench/results``); :func:`training_time`
 scales the nearest one to a run's settings and a machine's cores, and says how it did. Notebook 02
-shows the estimate for this machine, notebook 01 turns it into the cluster's hours and cost.
+shows the estimate for this machine, notebook 01 turns it into the cluster's hours and cost, and
+notebook 07 prices SDXL runs per Azure size (:func:`cluster_run`: the processes that fit a node's
+memory, their hours, the VMs' list price).
 
 The scaling is stated, not hidden: time per step grows with images per process and with pixels
 (from the nearest measured resolution), and shrinks with physical cores per process (linear, which
