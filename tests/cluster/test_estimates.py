@@ -51,7 +51,7 @@ def test_workshop_defaults_are_notebook_02s_parameters():
 
 
 def test_scaling_from_the_nearest_measurement_is_stated():
-    row = next(m for m in estimates.MEASURED if m.precision == "bf16" and m.resolution == 256)
+    row = next(m for m in estimates.MEASURED if (m.precision, m.resolution, m.shape) == ("bf16", 256, "sd15"))
     same = estimates.training_time(100, 256, 1, "bf16", row.physical_cores, native_bf16=True)
     assert same.seconds == pytest.approx(100 * row.seconds_per_step) and same.scaling == "measured as is"
     bigger = estimates.training_time(100, 512, 2, "bf16", row.physical_cores, native_bf16=True)
