@@ -3,9 +3,10 @@
 In eager PyTorch every ``Conv2d`` call hands oneDNN a plain ``OIHW`` weight, which oneDNN reorders
 into its blocked layout: once for the forward and once more for the input gradient of the
 backward. The UNet's weights never change in textual inversion, so each of those copies can be made
-once. :func:`pack_conv` keeps both (the forward weight, and the transposed, flipped weight that
-computes the input gradient as a convolution) and runs both through ``mkldnn._convolution_pointwise``
-inside a small autograd function, so the gradient still reaches the placeholder rows.
+once. :func:`pack_conv` keeps both (the weight laid out for the forward convolution, and the same
+weight laid out for the transposed convolution that computes the input gradient) and runs them
+through ``mkldnn._convolution_pointwise`` and ``mkldnn._convolution_transpose_pointwise`` inside a
+small autograd function, so the gradient still reaches the placeholder rows.
 
 What it buys and costs on the SD v1.5 shape (``bench.optimisations --only prepacked_convs``): the
 options table of ``docs/performance.md``; both directions' copies together buy most of it.
@@ -187,17 +188,13 @@ def _packs_input_grad(conv: torch.nn.Conv2d) -> bool:
     return conv._pack_backward and conv.stride == (1, 1)  # strided (the 3 downsamplers): PyTorch's path
 
 
-def _input_grad_padding(conv: torch.nn.Conv2d) -> list[int]:
-    """The padding of the convolution that computes ``conv``'s input gradient (stride 1)."""
-    return [k - 1 - p for k, p in zip(conv.kernel_size, conv.padding, strict=True)]
-
-
 def _input_grad_copy(conv: torch.nn.Conv2d, state: dict, dense: torch.Tensor, grad_shape: list[int]) -> None:
-    """Lay out the weight that computes the input gradient as a convolution: transposed, flipped."""
-    # flip first: flipping the transposed view would keep its strides and need one more copy
-    flipped = dense.flip(2, 3).transpose(0, 1).contiguous().to_mkldnn()
-    state["bwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
-        flipped, _input_grad_padding(conv), [1, 1], [1, 1], 1, grad_shape
+    """Lay out the weight for the transposed convolution that computes the input gradient (stride
+    1). oneDNN reads the dense weight as it is, in one pass: flipping and transposing it in PyTorch
+    first, to compute the gradient as a plain convolution, took twice as long (the first step
+    makes every copy)."""
+    state["bwd"] = torch.ops.mkldnn._reorder_convolution_transpose_weight(
+        dense.contiguous(), list(conv.padding), [0, 0], [1, 1], [1, 1], 1, grad_shape
     )
 
 
@@ -213,8 +210,8 @@ def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Si
     state = _copies(conv)
     if "bwd" not in state:  # its forward ran without a gradient first
         _input_grad_copy(conv, state, _dense(conv), list(grad.shape))
-    return torch.ops.mkldnn._convolution_pointwise(
-        grad, state["bwd"], None, _input_grad_padding(conv), [1, 1], [1, 1], 1, "none", [], ""
+    return torch.ops.mkldnn._convolution_transpose_pointwise(
+        grad, state["bwd"], None, list(conv.padding), [0, 0], [1, 1], [1, 1], 1, "none", [], ""
     )
 
 
@@ -380,7 +377,13 @@ def unavailable() -> str | None:
     """Why this torch cannot pack weights (no oneDNN, or its private ops are gone), else None."""
     if not torch.backends.mkldnn.is_available():
         return "this torch is built without oneDNN"
-    ops = ("_convolution_pointwise", "_linear_pointwise", "_reorder_linear_weight")
+    ops = (
+        "_convolution_pointwise",
+        "_convolution_transpose_pointwise",
+        "_linear_pointwise",
+        "_reorder_convolution_transpose_weight",
+        "_reorder_linear_weight",
+    )
     if not hasattr(torch._C._nn, "mkldnn_reorder_conv2d_weight") or not all(
         hasattr(torch.ops.mkldnn, op) for op in ops
     ):
