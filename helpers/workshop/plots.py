@@ -4,6 +4,10 @@ Every function builds and returns a ``matplotlib.figure.Figure`` and never shows
 are closed in pyplot before they are returned: in a notebook the returned figure is displayed
 once (as the cell's value), not a second time by the inline backend, and loops that make many
 figures do not pile them up in pyplot's registry.
+
+Every figure carries a one-line description of what it shows (its label, :func:`description`):
+in a notebook it is the figure's text form beside the picture, which the handouts give as the
+picture's alternative text, for a screen reader or a page whose images do not load.
 """
 
 from __future__ import annotations
@@ -39,10 +43,37 @@ __all__ = [
 ]
 
 
+class _Figure(Figure):
+    """A figure whose text form in IPython (``text/plain`` beside its PNG) is its :func:`description`."""
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(description(self))
+
+
 def _new_figure(figsize: tuple[float, float]) -> Figure:
-    fig = plt.figure(figsize=figsize)
+    fig = plt.figure(figsize=figsize, FigureClass=_Figure)
     plt.close(fig)  # see the module docstring: return it unregistered
     return fig
+
+
+def description(fig: Figure) -> str:
+    """What ``fig`` shows in one line (set by the function that drew it), else matplotlib's text."""
+    return fig.get_label() or repr(fig)
+
+
+def _described(fig: Figure, text: str) -> Figure:
+    fig.set_label(text)
+    fig.tight_layout()
+    return fig
+
+
+def _one_line(label: str) -> str:
+    return ", ".join(label.splitlines())
+
+
+def _listed(items: Sequence[str], most: int = 6) -> str:
+    shown = ", ".join(map(_one_line, items[:most]))
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def image_grid(
@@ -83,8 +114,9 @@ def image_grid(
         ax.set_axis_off()
         if titles is not None:
             ax.set_title(titles[k], fontsize=9)
-    fig.tight_layout()
-    return fig
+    named = f": {_listed([str(t) for t in titles])}" if titles else ""
+    pictures = "1 picture" if len(images) == 1 else f"{len(images)} pictures"
+    return _described(fig, f"{pictures} in a grid{named}")
 
 
 def image_rows(rows: Mapping[str, Sequence[Image.Image]], size: float = 1.6) -> Figure:
@@ -110,8 +142,9 @@ def image_rows(rows: Mapping[str, Sequence[Image.Image]], size: float = 1.6) -> 
             ax.set_yticks([])
             if c == 0:
                 ax.set_ylabel(label, fontsize=9, rotation=0, ha="right", va="center")
-    fig.tight_layout()
-    return fig
+    named = "; ".join(f"{_one_line(label)} ({len(images)})" for label, images in rows.items())
+    labelled = "1 labelled row" if len(rows) == 1 else f"{len(rows)} labelled rows"
+    return _described(fig, f"Pictures in {labelled}: {named}")
 
 
 def moving_average(values: Sequence[float], window: int) -> np.ndarray:
@@ -194,8 +227,13 @@ def loss_curve(
         h, lab = ax_lr.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab
     ax.legend(handles, labels, loc="upper right", fontsize=8)
-    fig.tight_layout()
-    return fig
+    ends = moving_average(loss, smooth) if smoothed else loss
+    averaged = f" (mean of {smooth} steps)" if smoothed else ""
+    return _described(
+        fig,
+        f"{title}: loss against step, steps {steps[0]:g} to {steps[-1]:g}, "
+        f"from {ends[0]:.4g} to {ends[-1]:.4g}{averaged}",
+    )
 
 
 class LiveLoss:
@@ -307,8 +345,10 @@ def timing_bars(
     ax.set_ylabel(unit)
     ax.set_title(title)
     ax.set_xlabel(f"× = speed-up over {baseline!r}")
-    fig.tight_layout()
-    return fig
+    bars_text = ", ".join(
+        f"{lab} {v:.3g} {unit} ({seconds[baseline] / v:.1f}×)" for lab, v in zip(labels, values, strict=True)
+    )
+    return _described(fig, f"{title}: bars, lower is faster: {bars_text}")
 
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -354,8 +394,9 @@ def line_groups(
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    return fig
+    return _described(
+        fig, f"{title}: {ylabel} against {xlabel}, lines for {_listed([f'{g}: {v}' for g, v in curves])}"
+    )
 
 
 def scaling_figure(

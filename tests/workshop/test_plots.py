@@ -12,6 +12,7 @@ matplotlib.use("Agg")  # headless, before pyplot is imported anywhere
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from IPython.core.formatters import DisplayFormatter  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from helpers.training.engine import events  # noqa: E402
@@ -177,3 +178,37 @@ def test_live_loss_draws_the_first_step_the_last_and_at_most_every_few_seconds_b
     picture = plots._Picture(plots.loss_curve(live.history, 2), "text")
     png = Image.open(io.BytesIO(picture._repr_png_()))
     assert png.format == "PNG" and png.size == (700, 380)  # loss_curve's 7 x 3.8 in at 100 dpi
+
+
+def test_every_figure_says_what_it_shows_in_one_line_which_ipython_gives_as_its_text():
+    """The description is the figure's text form in a notebook; the handouts make it the picture's
+    alternative text (tests/workshop/test_notebooks.py checks every handout's pictures)."""
+    grid = plots.image_grid(_images(8), titles=[f"seed {k}" for k in range(8)])
+    assert plots.description(grid) == (
+        "8 pictures in a grid: seed 0, seed 1, seed 2, seed 3, seed 4, seed 5 and 2 more"
+    )
+    assert plots.description(plots.image_grid(_images(1))) == "1 picture in a grid"
+    rows = plots.image_rows({"before": _images(3), "after": _images(2)})
+    assert plots.description(rows) == "Pictures in 2 labelled rows: before (3); after (2)"
+    one = plots.image_rows({"a photo of <pip>\nPip score 0.00": _images(2)})
+    assert plots.description(one) == "Pictures in 1 labelled row: a photo of <pip>, Pip score 0.00 (2)"
+    assert plots.description(plots.loss_curve(HISTORY, smooth=3, title="run 1")) == (
+        f"run 1: loss against step, steps 1 to 6, from 0.6 to {0.45 / 3:.4g} (mean of 3 steps)"
+    )
+    assert plots.description(plots.loss_curve(HISTORY)) == (
+        "Training loss: loss against step, steps 1 to 6, from 0.6 to 0.05"
+    )
+    bars = plots.timing_bars({"PyTorch": 3.4, "OpenVINO": 0.5}, "Seconds per image")
+    assert plots.description(bars) == (
+        "Seconds per image: bars, lower is faster: PyTorch 3.4 s/image (1.0×), OpenVINO 0.5 s/image (6.8×)"
+    )
+    lines = plots.line_groups(
+        {("A", "ours"): ([1, 2], [3, 4]), ("A", "ref"): ([1, 2], [1, 2])}, "T", "x", "y"
+    )
+    assert plots.description(lines) == "T: y against x, lines for A: ours, A: ref"
+
+    text = DisplayFormatter()  # a kernel's formatters (the inline backend adds the PNG)
+    assert text.format(rows)[0]["text/plain"] == "Pictures in 2 labelled rows: before (3); after (2)"
+    other = plt.figure(figsize=(2, 1))  # not one of ours: matplotlib's own text
+    assert text.format(other)[0]["text/plain"] == "<Figure size 200x100 with 0 Axes>"
+    plt.close(other)
