@@ -25,7 +25,7 @@ from jupyterlab.labapp import LabApp
 from helpers.core.errors import ArgumentParser, InputError, run_cli
 from helpers.core.files import write_path_atomic, write_text_atomic
 from helpers.training.models import hub_connection_problem
-from helpers.workshop.notebooks import notebook_paths, tiny_profile
+from helpers.workshop.notebooks import KERNEL_CONFIG, notebook_paths, tiny_profile
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +133,22 @@ def main(args: argparse.Namespace) -> int:
         env["HF_HUB_OFFLINE"] = "1"
     else:
         env.pop("HF_HUB_OFFLINE", None)
-    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={Path(args.folder).resolve()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        f"--ServerApp.root_dir={Path(args.folder).resolve()}",
+        *kernel_flags(),
+    ]
     os.execve(sys.executable, cmd, env)  # JupyterLab's own Ctrl-C ends it
     return 0  # pragma: no cover - execve does not return
+
+
+def kernel_flags() -> list[str]:
+    """JupyterLab's command-line flags for its kernels: :data:`helpers.workshop.notebooks.KERNEL_CONFIG`."""
+    return [
+        f"--{cls}.{name}={value}" for cls, traits in KERNEL_CONFIG.items() for name, value in traits.items()
+    ]
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -30,6 +30,10 @@ from helpers.training.models import hub_unreachable_reason
 RECORD_MIME = "application/x.workshop.record+json"
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 TINY_PROFILE_FILE = NOTEBOOK_DIR / "tiny_profile.yaml"
+# Kernels talk to their client over CurveZMQ-encrypted sockets, with keys the kernel manager makes for
+# each kernel (the python3 kernelspec declares it supports them); over plain TCP every kernel warned
+# that its code and outputs cross localhost unencrypted. JupyterLab's kernels too (helpers.workshop.jupyter).
+KERNEL_CONFIG = {"KernelManager": {"transport_encryption": "auto"}}
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +206,7 @@ def run_notebook(
     """
     import papermill
     from papermill.exceptions import PapermillExecutionError
+    from traitlets.config import Config
 
     path, output_path = Path(path), Path(output_path)
     if not path.is_file():
@@ -221,6 +226,7 @@ def run_notebook(
                 progress_bar=False,
                 # one output per stream, progress-bar redraws ("\r") reduced to their last state
                 coalesce_streams=True,
+                config=Config(KERNEL_CONFIG),
             )
         except PapermillExecutionError as err:
             # Keep the failed copy next to the output: it shows the traceback in context.

@@ -360,6 +360,7 @@ def start_server(root: Path, work: Path, latent_cache: Path) -> Lab:
         f"--LabApp.app_settings_dir={app_settings}",
         "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: its commands, shell and models
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        *jupyter.kernel_flags(),  # as `make lab` starts it
     ]  # fmt: skip
     if os.geteuid() == 0:  # a container's root: JupyterLab refuses root without it
         cmd.append("--allow-root")
@@ -758,6 +759,8 @@ def run_in_lab(lab: Lab, nb: Path) -> dict[str, Any]:
         findings.append(f"code cells not executed: {not_run} of {len(code)}")
     findings += findings_on_screen(cells)
     findings += findings_in_kernel_status(samples, [c["index"] for c in code])
+    if "without encryption" in lab.server_log.read_text(errors="replace"):  # jupyter.kernel_flags()
+        findings.append("a kernel warned that its sockets are not encrypted (the server's log)")
     idle_busy = [s for s in samples if s["pending"] and (s["kernel"] == "idle" or "Idle" in s["statusbar"])]
     report = {
         "notebook": name,

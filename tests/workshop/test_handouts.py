@@ -235,13 +235,16 @@ def quiet_offline_handout(executed: Path) -> str:
 
 
 @pytest.mark.notebooks
-def test_make_demo_runs_a_notebook_with_papermill_into_a_quiet_handout(tmp_path):
+def test_make_demo_runs_a_notebook_with_papermill_into_a_quiet_handout(tmp_path, capfd):
     """``make demo`` runs the notebooks with papermill, where a progress bar is text, not a widget (the
     test session runs them in JupyterLab: tests/workshop/lab.py): notebook 02 on the offline profile
-    with a tenth of its steps keeps one line per bar, and its handout loads nothing and shows no noise."""
+    with a tenth of its steps keeps one line per bar, its kernel talks over encrypted sockets, and its
+    handout loads nothing and shows no noise."""
     nb = NOTEBOOKS[1]
     profile = notebooks.tiny_profile(nb) | {"max_train_steps": 20, "num_compare_images": 2}
     records = notebooks.run_notebook(nb, tmp_path / nb.name, profile, cwd=tmp_path)
     assert records["history_steps"] == 20 and records["final_loss"] > 0
+    # the kernel's sockets are encrypted (notebooks.KERNEL_CONFIG): it no longer warns that they are not
+    assert "without encryption" not in capfd.readouterr().err
     text = quiet_offline_handout(tmp_path / nb.name)
     assert re.search(r"textual inversion: 100%\S* 20/20", html.unescape(text)), text[:2000]
