@@ -64,6 +64,10 @@ def _packed_conv_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int
     return conv_flop_count(x_shape, w_shape, out_shape, transposed=False)
 
 
+def _packed_conv_transpose_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return conv_flop_count(x_shape, w_shape, out_shape, transposed=True)  # a packed layer's input gradient
+
+
 def _packed_linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(x_shape) * w_shape[0]  # rows x in x out, the weight being (out, in)
 
@@ -75,6 +79,7 @@ CPU_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
     torch.ops.mkldnn._convolution_pointwise: _packed_conv_flops,
+    torch.ops.mkldnn._convolution_transpose_pointwise: _packed_conv_transpose_flops,
     torch.ops.mkldnn._linear_pointwise: _packed_linear_flops,
 }
 

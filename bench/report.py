@@ -442,16 +442,27 @@ def _launchers_table(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-ONEDNN_ORDER = ("convolution", "reorder_weights", "reorder_activations", "matmul", "inner_product")
+ONEDNN_ORDER = (
+    "convolution",
+    "deconvolution",
+    "reorder_weights",
+    "reorder_activations",
+    "matmul",
+    "inner_product",
+)
 
 
 def _onednn_table(steps: list[dict[str, Any]]) -> list[str]:
     """Seconds per oneDNN primitive kind in a step of each mode (train_step's verbose-log capture)."""
     found = {k for r in steps for m in r["modes"].values() for k in m["onednn_seconds"]}
     kinds = [k for k in ONEDNN_ORDER if k in found] + sorted(found - set(ONEDNN_ORDER))
+    # results since the prepacked convolutions' input gradient became a transposed one have that kind
+    deconvolution = (
+        "`deconvolution` = the prepacked convolutions' input gradient; " if "deconvolution" in found else ""
+    )
     title = (
         "Inside those phases, oneDNN's own log (seconds per step, medians of 3 steps; `reorder` = a "
-        "tensor laid out afresh for oneDNN; `inner_product` = the engine's prepacked linear layers; "
+        f"tensor laid out afresh for oneDNN; {deconvolution}`inner_product` = the engine's prepacked linear layers; "
         "PyTorch's own fp32 `Linear` layers run in MKL and are not in it):"
     )
     return _seconds_by_mode(steps, title, "onednn_seconds", kinds)
