@@ -11,7 +11,11 @@ each step denoises ``--batch`` subject pictures and as many class pictures in on
   encoded once (frozen text encoder), only the LoRA matrices in AdamW.
 * **reference**: the step of diffusers' ``examples/dreambooth/train_dreambooth_lora.py``, written
   here: the VAE encodes the batch's pixels and the text encoder the prompts in every step, then the
-  UNet, the two halves' losses, backward, gradient clipping and AdamW over the LoRA matrices.
+  UNet, the two halves' losses, backward, gradient clipping and AdamW over the LoRA matrices. For an
+  SDXL model (``--model sdxl-shape``), the step of ``train_dreambooth_lora_sdxl.py``: its VAE stays
+  in fp32 whatever the precision ("to avoid NaN losses") and encodes the pixels in every step, while
+  the two prompts are encoded once (its text encoders are frozen and every picture has the
+  instance prompt), so only the VAE and the UNet's own work differ from ours.
 
 Speed: both run in one process, interleaved step by step (A B, B A, ...), after warm-up; medians.
 Peak memory: each mode in a fresh child process (ours: the real ``training.train``), the peak RSS
@@ -44,14 +48,17 @@ from helpers.dreambooth import class_images, training
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import ImageViews
 from helpers.training.engine import events, prepack
+from helpers.training.families.base import Conditioning
 
 CLASS_PROMPT, INSTANCE_PROMPT = "a photo of a toy", "a photo of sks toy"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.dreambooth", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="sd15-shape", help="sd15-shape, tiny or a diffusers folder")
-    parser.add_argument("--resolution", type=int, default=None, help="default 256 (64 for tiny)")
+    parser.add_argument(
+        "--model", default="sd15-shape", help="sd15-shape, sdxl-shape, tiny, tiny-xl or a diffusers folder"
+    )
+    parser.add_argument("--resolution", type=int, default=None, help="default 256 (64 for tiny models)")
     parser.add_argument(
         "--batch", type=int, default=1, help="subject pictures per step (as many class pictures)"
     )
@@ -69,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--child", choices=("ours", "reference"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.resolution is None:
-        args.resolution = 64 if args.model == "tiny" else 256
+        args.resolution = 64 if args.model.startswith("tiny") else 256
     return args
 
 
@@ -98,13 +105,16 @@ def batches(run, n: int) -> list[dict[str, torch.Tensor]]:
 
 
 class ReferenceStep:
-    """diffusers' DreamBooth-LoRA step on the run's modules: VAE and text encoder in every step."""
+    """diffusers' DreamBooth-LoRA step on the run's modules: the VAE in every step, and the text
+    encoder too for SD v1 (SDXL's script encodes its two prompts once: the module docstring)."""
 
     def __init__(self, run):
         self.run = run
         config = run.config
-        self.vae = AutoencoderKL.from_pretrained(run.model_dir, subfolder="vae", torch_dtype=cpu.compute_dtype(
-            run.precision.mixed_precision)).eval()  # fmt: skip  # diffusers casts it to the weight dtype
+        self.sdxl = run.family.name == "sdxl"
+        self.weight_dtype = cpu.compute_dtype(run.precision.mixed_precision)
+        vae_dtype = torch.float32 if self.sdxl else self.weight_dtype
+        self.vae = AutoencoderKL.from_pretrained(run.model_dir, subfolder="vae", torch_dtype=vae_dtype).eval()
         self.vae.requires_grad_(False)
         files = class_images.image_files(config.instance_data_dir)
         self.views = ImageViews(files, config.resolution)  # subject pictures, then class pictures
@@ -122,18 +132,16 @@ class ReferenceStep:
         marks["start"] = time.perf_counter()
         views = torch.cat([batch["instance_view"], batch["class_view"]])
         pixels = torch.stack([self.views.view_pixels(int(v) % self.views.num_views) for v in views])
+        # outside autocast, as in both scripts: SDXL's VAE computes in fp32, SD v1's in the weights' dtype
+        latents = (
+            self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.sample() * self.vae.config.scaling_factor
+        )
+        latents = latents.to(self.weight_dtype)
         with run.accelerator.autocast():
-            latents = (
-                self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.sample()
-                * self.vae.config.scaling_factor
-            )
             noise = torch.randn_like(latents)
             timesteps = torch.randint(0, run.noise_scheduler.config.num_train_timesteps, (latents.shape[0],))
             noisy = run.noise_scheduler.add_noise(latents, noise, timesteps)
-            ids = torch.cat([run.prompt_ids["instance"][0].expand(len(batch["index"]), -1),
-                             run.prompt_ids["class"][0].expand(len(batch["index"]), -1)])  # fmt: skip
-            states = run.text_encoder(ids)[0]
-            pred = run.unet(noisy, timesteps, states).sample
+            pred = run.unet(noisy, timesteps, **self._unet_kwargs(len(batch["index"]), views)).sample
         pred, pred_prior = torch.chunk(pred, 2, dim=0)
         target, target_prior = torch.chunk(noise, 2, dim=0)
         loss = F.mse_loss(pred.float(), target.float()) + config.prior_loss_weight * F.mse_loss(
@@ -144,6 +152,16 @@ class ReferenceStep:
         self.optimizer.step()
         self.optimizer.zero_grad()
         marks["end"] = time.perf_counter()
+
+    def _unet_kwargs(self, n: int, views: torch.Tensor) -> dict:
+        """The UNet's conditioning for ``n`` subject and ``n`` class pictures, subject rows first."""
+        run = self.run
+        if self.sdxl:  # its script encodes the two prompts once, as ours does
+            return run.family.unet_kwargs(
+                training.conditioning(run, n), [run.view_sizes[int(v)] for v in views]
+            )
+        ids = torch.cat([run.prompt_ids[k][0].expand(n, -1) for k in ("instance", "class")])
+        return run.family.unet_kwargs(Conditioning(run.text_encoder(ids)[0]))  # in every step
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

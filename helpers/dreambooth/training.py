@@ -330,8 +330,9 @@ def _load_models(config: DreamBoothConfig, model_dir: Path, family: Family, dtyp
     return parts, encoder_2, params, packed
 
 
-def _conditioning(run: Run, n: int) -> Conditioning:
-    """The prompts' conditioning for ``n`` subject items (and ``n`` class items): subject rows first."""
+def conditioning(run: Run, n: int) -> Conditioning:
+    """The prompts' conditioning for ``n`` subject items (and ``n`` class items): subject rows first,
+    from the encodings made once where the text encoders are frozen."""
     keys = ["instance", "class"] if run.prior else ["instance"]
     if run.fixed_states is not None:
         states = [run.fixed_states[k] for k in keys]
@@ -365,7 +366,7 @@ def training_step(
                                                run.noise_scheduler.config.num_train_timesteps, config.seed, epoch)  # fmt: skip
         with accelerator.autocast():
             sizes = [run.view_sizes[int(v)] for v in views] if run.view_sizes else ()
-            unet_kwargs = run.family.unet_kwargs(_conditioning(run, len(batch["index"])), sizes)
+            unet_kwargs = run.family.unet_kwargs(conditioning(run, len(batch["index"])), sizes)
             loss, instance, prior = dreambooth_loss(
                 run.unet, run.noise_scheduler, latents * run.scaling, noise, timesteps, unet_kwargs,
                 run.prior, config.prior_loss_weight,

@@ -549,14 +549,16 @@ def test_two_ray_workers_train_the_lora_of_two_mpirun_ranks(process_runs):
 # --- the benchmark's code paths (numbers are bench/'s business) ---------------------------------------
 
 
-def test_benchmark_runs_both_steps_on_the_tiny_model(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny-xl"])
+def test_benchmark_runs_both_steps_on_the_tiny_models(tmp_path, model):
+    """Both families' reference steps (SDXL's: fp32 VAE, prompts encoded once, sizes per picture)."""
     from bench import dreambooth as bench
 
-    report = bench.main(bench.parse_args(["--model", "tiny", "--steps", "1", "--warmup", "0", "--no_memory",
+    report = bench.main(bench.parse_args(["--model", model, "--steps", "1", "--warmup", "0", "--no_memory",
                                           "--out", str(tmp_path / "b.json")]))  # fmt: skip
     assert json.loads((tmp_path / "b.json").read_text()) == json.loads(json.dumps(report))
     assert set(report["modes"]) == {"ours", "reference"} and report["resolution"] == 64
-    parts = models.load_components("tiny")
+    parts = models.load_components(model)
     lora.add_lora(parts.unet, None, rank=4)
     assert report["lora_parameters"] == sum(p.numel() for _, p in lora.lora_parameters(parts.unet))
     assert report["allreduce_bytes_per_step"] == 4 * report["lora_parameters"]
