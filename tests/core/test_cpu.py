@@ -300,3 +300,27 @@ def test_a_frozen_model_that_did_its_part_leaves_memory_and_still_computes_the_s
     built = torch.nn.Linear(1024, 1024)  # weights in anonymous memory: left alone, still valid
     weight = built.weight.detach().clone()
     assert cpu.drop_module_file_pages(built) == 0 and torch.equal(built.weight, weight)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="/proc/self/maps and /proc/self/status")
+def test_weights_mapped_from_their_file_are_not_counted_as_free_memory():
+    """Loaded from safetensors, a model's weights are views into the file's mapping: ``file_backed_bytes``
+    counts them all (read yet or not; a model built in memory: none), and ``available_memory`` leaves
+    them out of ``MemAvailable``, which counts file pages as free."""
+    import psutil
+    from diffusers import UNet2DConditionModel
+
+    from helpers.training import models
+
+    folder = models.tiny_pipeline_dir() / "unet"
+    unet = UNet2DConditionModel.from_pretrained(folder)
+    weights = sum(t.numel() * t.element_size() for t in (*unet.parameters(), *unet.buffers()))
+    assert cpu.file_backed_bytes([unet, unet]) == weights  # each weight once
+    assert cpu.file_backed_bytes([torch.nn.Linear(256, 256)]) == 0
+    huge = 2 * psutil.virtual_memory().total
+    assert cpu.available_memory(file_bytes=huge) == 0
+    rss_file = next(
+        int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssFile:")
+    )
+    spare = psutil.virtual_memory().available - rss_file  # resident file pages (the libraries) are not spare
+    assert abs(cpu.available_memory() - spare) < 64 * 2**20  # the machine's own churn between the readings

@@ -457,8 +457,10 @@ def pack_unet(
     """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``, with
     those of the ``text_encoders``, both of SDXL's) as far as the copies fit.
 
-    They fit when they take at most :data:`MEMORY_SHARE` of the memory available now, divided among
-    the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
+    They fit when they take at most :data:`MEMORY_SHARE` of the memory available now
+    (:func:`helpers.core.cpu.available_memory`: the models' weights mapped from their files are not
+    free, read yet or not), divided
+    among the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
     The convolutions come first, then the linear layers; where a kind's copies do not all fit, its
     layers are packed in the model's order as long as each one's copies still fit, and the rest run
     at PyTorch's speed (said in the result's ``reason``): the speed-up falls with the memory rather
@@ -471,10 +473,8 @@ def pack_unet(
     """
     if problem := unavailable():
         return PackResult(0, 0, problem)
-    if available_bytes is None:
-        import psutil
-
-        available_bytes = psutil.virtual_memory().available
+    if available_bytes is None:  # the models' weights are still to be read, or resident as file pages
+        available_bytes = cpu.available_memory(cpu.file_backed_bytes([unet, *text_encoders]))
     share = MEMORY_SHARE * available_bytes / cpu.local_processes()
     kinds = []
     if convs:
