@@ -48,7 +48,6 @@ from helpers.dreambooth import class_images, training
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import ImageViews
 from helpers.training.engine import events, prepack
-from helpers.training.families.base import Conditioning
 
 CLASS_PROMPT, INSTANCE_PROMPT = "a photo of a toy", "a photo of sks toy"
 
@@ -161,7 +160,7 @@ class ReferenceStep:
                 training.conditioning(run, n), [run.view_sizes[int(v)] for v in views]
             )
         ids = torch.cat([run.prompt_ids[k][0].expand(n, -1) for k in ("instance", "class")])
-        return run.family.unet_kwargs(Conditioning(run.text_encoder(ids)[0]))  # in every step
+        return run.family.unet_kwargs(run.family.encode_prompt(run.text_encoders, [ids]))  # in every step
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

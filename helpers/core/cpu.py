@@ -261,7 +261,7 @@ def file_backed_bytes(modules: Iterable[torch.nn.Module]) -> int:
     seen, total = set(), 0
     for tensor in (t for m in modules for t in (*m.parameters(), *m.buffers())):
         start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        if size and start not in seen and any(a <= start and start + size <= b for a, b in mapped):
+        if size and start not in seen and _inside(start, start + size, mapped):
             seen.add(start)
             total += size
     return total
@@ -332,6 +332,11 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
+def _inside(start: int, end: int, ranges: list[tuple[int, int]]) -> bool:
+    """Whether the addresses ``[start, end)`` lie inside one of ``ranges`` (:func:`_file_mappings`)."""
+    return any(a <= start and end <= b for a, b in ranges)
+
+
 def _whole_pages(tensor: torch.Tensor) -> tuple[int, int]:
     """The first and the end address of the whole pages inside ``tensor``'s bytes (end <= first: none)."""
     page = os.sysconf("SC_PAGE_SIZE")
@@ -364,7 +369,7 @@ def drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]] | None =
     ):
         return 0
     first, end = _whole_pages(tensor)
-    if end <= first or (mapped is not None and not any(a <= first and end <= b for a, b in mapped)):
+    if end <= first or (mapped is not None and not _inside(first, end, mapped)):
         return 0
     if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED) != 0:
         return 0

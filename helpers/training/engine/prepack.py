@@ -459,8 +459,8 @@ def pack_unet(
 
     They fit when they take at most :data:`MEMORY_SHARE` of the memory available now
     (:func:`helpers.core.cpu.available_memory`: the models' weights mapped from their files are not
-    free, read yet or not), divided
-    among the node's processes (``LOCAL_WORLD_SIZE``). ``available_bytes`` overrides the measured amount.
+    free, read yet or not), divided among the node's processes (``LOCAL_WORLD_SIZE``).
+    ``available_bytes`` overrides the measured amount.
     The convolutions come first, then the linear layers; where a kind's copies do not all fit, its
     layers are packed in the model's order as long as each one's copies still fit, and the rest run
     at PyTorch's speed (said in the result's ``reason``): the speed-up falls with the memory rather
