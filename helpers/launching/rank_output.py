@@ -130,18 +130,23 @@ def diagnose(
         ranks: the ranks first known to have failed (their status reports; one poll may find
             several), if any are: the one among them with a root error, else one its launcher
             reports (not the TERM of our own stop), else one that printed nothing
-            (:data:`SILENT_END`), else the first with a peer's error.
+            (:data:`SILENT_END`), else the first with a peer's error. A rank seen to end first
+            with a peer's error was taken down by another: when every one of them printed such
+            an error, another rank's root error wins (the rank that raised may still be
+            shutting down when its peer, told at once, has already exited).
     """
-    candidates = []
+    everyone = []
     for r, lines in errors.items():
         own = [ln for ln in lines if not any(w in ln for w in _WRAPPERS)]
         error = (own or lines)[0]
-        candidates.append((bool(SECONDARY.search(error)), first_seen.get(r, math.inf), r, _shorten(error)))
-    if ranks:
-        candidates = [c for c in candidates if c[2] in ranks]
+        everyone.append((bool(SECONDARY.search(error)), first_seen.get(r, math.inf), r, _shorten(error)))
+    candidates = [c for c in everyone if c[2] in ranks] if ranks else everyone
     best = min(candidates) if candidates else None
     if best and not best[0]:
         return best[2], best[3]
+    roots = [c for c in everyone if not c[0]]
+    if best and roots and all(r in errors for r in ranks):
+        return min(roots)[2], min(roots)[3]
     for pattern in _LAUNCHER_REPORTS:  # a rank killed outright prints nothing: its launcher knows
         for m in pattern.finditer(launcher_text):
             if not ranks or (int(m["rank"]) in ranks and not _stopped_by_us(m["reason"])):

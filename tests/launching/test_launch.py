@@ -166,6 +166,10 @@ def test_diagnose_of_a_rank_known_to_have_failed_takes_its_own_error_or_says_it_
     # root cause wins over the peer's error, even one printed earlier; then the rank killed silently
     assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "", ranks=[0, 1]) == (1, "ValueError: bad")
     assert rank_output.diagnose({0: errors[0]}, {0: 1.0}, "", ranks=[0, 1]) == (1, rank_output.SILENT_END)
+    # rank 0, told at once that its peer went away, ended before rank 1 finished shutting down
+    # (CI, Intel MPI): the peer's root error still wins; a rank that printed nothing does not
+    assert rank_output.diagnose(errors, {0: 1.0, 1: 2.0}, "", ranks=[0]) == (1, "ValueError: bad")
+    assert rank_output.diagnose({1: errors[1]}, {1: 2.0}, "", ranks=[0]) == (0, rank_output.SILENT_END)
     assert rank_output.diagnose({0: errors[0], 1: errors[0]}, {0: 2.0, 1: 1.0}, "", ranks=[0, 1]) == (
         1, "RuntimeError: Connection closed by peer"
     )  # fmt: skip
