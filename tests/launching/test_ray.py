@@ -335,7 +335,9 @@ def test_resume_from_the_last_checkpoint(tmp_path):
     """2 steps under mpirun with a checkpoint at each, then Ray workers --resume_from_checkpoint
     latest to 3 steps: the same embedding as one process with batch 2 running 3 steps straight
     (tolerance as in test_launch). The engine's checkpoints do not depend on the launcher that
-    wrote them (and the job starts Ray once, not twice)."""
+    wrote them (and the job starts Ray once, not twice). The driver's record (<work_dir>/ray_run.json)
+    holds the step reported through ray.train.report with the engine's own loss, the engine's
+    exact history and summary, and the start-up times."""
     out = tmp_path / "ray"
     first = subprocess.run([sys.executable, "-m", "helpers.launch", "--launcher", "mpirun", "--nproc_per_node", "2",
                             "--threads_per_process", "1", "--", *train_args(out), "--checkpointing_steps", "1"],
@@ -349,8 +351,15 @@ def test_resume_from_the_last_checkpoint(tmp_path):
     assert [h["step"] for h in json.loads((out / "history.json").read_text())] == [1, 2, 3]
     assert history_losses(out) == pytest.approx(history_losses(tmp_path / "single"), rel=SPLIT_LOSS_REL)
     torch.testing.assert_close(learned(out), learned(tmp_path / "single"), rtol=0, atol=SPLIT_ATOL)
+    summary, history = (json.loads((out / name).read_text()) for name in ("run_summary.json", "history.json"))
+    assert (summary["world_size"], summary["steps"], summary["backend"]) == (2, 3, AUTO)
+    assert summary["embeddings_identical_across_ranks"] is True
+    assert summary["allreduce_bytes_per_step"] == 32 * 4  # the new row of the tiny text encoder, fp32
     run = json.loads((out / "launch" / "ray_run.json").read_text())
-    assert run["reports"][0]["step"] == 3 and run["summary"]["steps"] == 3  # resumed at 2: one step
+    assert run["history"] == history and run["summary"] == summary
+    assert run["world_size"] == 2 and run["threads_per_process"] == 1 and len(run["nodes"]) == 1
+    assert [(r["step"], r["loss"]) for r in run["reports"]] == [(3, history[2]["loss"])]  # resumed at 2
+    assert run["startup"]["ray_init_seconds"] > 0 and run["startup"]["workers_started_seconds"] > 0
 
 
 @pytest.mark.slow
