@@ -72,7 +72,7 @@ handouts: demo system-packages
 # the notebooks run once (tests/conftest.py's notebook_records), and every check of their records is in
 # tests/workshop/test_notebooks.py, on the worker that runs them: a test elsewhere would wait idle.
 test: setup system-packages
-	$(PY) -m pytest -q -n 3 --dist loadscope --durations=30
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -q -n 2 --dist loadscope -m "not slow and not notebooks"
