@@ -68,7 +68,8 @@ handouts: demo system-packages
 	$(PY) -m helpers.workshop.handouts build --pdf
 
 # --durations: the slowest tests, so a CI log shows where its time goes (CI's limit is 90 min).
-# -n 2 --dist loadscope: two workers, a module's tests on one (its module fixtures are computed once);
+# -n 2 --dist loadscope: two workers, a module's tests on one (its module fixtures are computed once;
+# three workers on 2 cores ran every module about 1.5x slower and the whole suite slower: it is CPU-bound);
 # the notebooks run once (tests/conftest.py's notebook_records), and every check of their records is in
 # tests/workshop/test_notebooks.py, on the worker that runs them: a test elsewhere would wait idle.
 test: setup system-packages
