@@ -348,10 +348,10 @@ def test_resume_from_the_last_checkpoint(tmp_path):
                      train=["--max_train_steps", "3", "--resume_from_checkpoint", "latest"])  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     train_here("helpers.train", train_args(tmp_path / "single", steps=3, batch=2))
-    assert [h["step"] for h in json.loads((out / "history.json").read_text())] == [1, 2, 3]
+    summary, history = (json.loads((out / name).read_text()) for name in ("run_summary.json", "history.json"))
+    assert [h["step"] for h in history] == [1, 2, 3]
     assert history_losses(out) == pytest.approx(history_losses(tmp_path / "single"), rel=SPLIT_LOSS_REL)
     torch.testing.assert_close(learned(out), learned(tmp_path / "single"), rtol=0, atol=SPLIT_ATOL)
-    summary, history = (json.loads((out / name).read_text()) for name in ("run_summary.json", "history.json"))
     assert (summary["world_size"], summary["steps"], summary["backend"]) == (2, 3, AUTO)
     assert summary["embeddings_identical_across_ranks"] is True
     assert summary["allreduce_bytes_per_step"] == 32 * 4  # the new row of the tiny text encoder, fp32
