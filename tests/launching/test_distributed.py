@@ -244,14 +244,18 @@ def test_template_asset_is_annotated_and_loads(tmp_path):
 
 @pytest.mark.slow
 def test_mpirun_config_lets_accelerate_launch_start_all_ranks(tmp_path):
-    """The 'yes' answer to 'launch mpirun?': `accelerate launch --config_file` alone starts both ranks."""
+    """The 'yes' answer to 'launch mpirun?': `accelerate launch --config_file` alone starts both ranks,
+    and they form one group: an all-reduce sums both. (It also keeps rank 0 from exiting while rank 1
+    is still connecting: without a collective, gloo's init returned on rank 0 first, and rank 0's exit
+    failed rank 1's connect with "Connection closed by peer" about once in 50 runs beside another job.)"""
     layout = ClusterLayout.local(2, main_process_port=free_port())
     hostfile = write_hostfile(layout, tmp_path / "hostfile", MpiFlavour.INTEL)
     (config,) = accelerate_config.write_accelerate_configs(layout, tmp_path, mpirun_hostfile=hostfile)
     script = tmp_path / "world.py"
     script.write_text(
-        "from accelerate import Accelerator\na = Accelerator(cpu=True)\n"
-        "print(f'WORLD {a.process_index} {a.num_processes}', flush=True)\na.end_training()\n"
+        "import torch\nfrom accelerate import Accelerator\na = Accelerator(cpu=True)\n"
+        "t = torch.ones(1)\ntorch.distributed.all_reduce(t)\n"
+        "print(f'WORLD {a.process_index} {a.num_processes} {t.item():g}', flush=True)\na.end_training()\n"
     )
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     out = subprocess.run(
@@ -260,7 +264,7 @@ def test_mpirun_config_lets_accelerate_launch_start_all_ranks(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     # The ranks share one stdout through mpirun, which may join their lines: match, don't split.
-    assert sorted(re.findall(r"WORLD \d+ \d+", out.stdout)) == ["WORLD 0 2", "WORLD 1 2"]
+    assert sorted(re.findall(r"WORLD \d+ \d+ \d+", out.stdout)) == ["WORLD 0 2 2", "WORLD 1 2 2"]
 
 
 # --- flavour, backend, environment ----------------------------------------------------------------
