@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.dreambooth.lora import LORA_WEIGHTS
-from helpers.training import data, models
+from helpers.training import data, families, models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import TrainConfig
+from helpers.training.families import sd1
 
 
 def tiny_settings(output_dir, **overrides) -> dict:
@@ -71,6 +72,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class Crash(RuntimeError):
     """Stands for whatever stops a run at that point (an error, Ctrl-C, a full disk)."""
+
+
+def sd1_loss(unet, text_encoder, noise_scheduler, input_ids, latents, noise, timesteps) -> torch.Tensor:
+    """The engine's SD v1 loss of one batch (:func:`helpers.training.families.diffusion_loss`)."""
+    return families.diffusion_loss(
+        sd1.FAMILY, unet, [text_encoder], noise_scheduler, [input_ids], latents, noise, timesteps
+    )
 
 
 def crash_when(monkeypatch, module, name: str, when=lambda *a, **k: True) -> None:

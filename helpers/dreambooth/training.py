@@ -90,34 +90,6 @@ def prior_preservation_loss(
     return instance + prior_loss_weight * prior, instance, prior
 
 
-def dreambooth_loss(
-    unet,
-    noise_scheduler,
-    latents: torch.Tensor,
-    noise: torch.Tensor,
-    timesteps: torch.Tensor,
-    unet_kwargs: dict,
-    with_prior_preservation: bool,
-    prior_loss_weight: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Noise the latents, predict with the UNet, and return :func:`prior_preservation_loss`.
-
-    Args:
-        latents: scaled latents ``[B, 4, h, w]`` (with prior preservation: subject half, then class half).
-        noise, timesteps: the draws of each sample.
-        unet_kwargs: the UNet's conditioning, one row per sample, as the model's family passes it
-            (:meth:`helpers.training.families.Family.unet_kwargs`: SD v1's ``encoder_hidden_states``;
-            SDXL's ``added_cond_kwargs`` too).
-    """
-    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-    pred = unet(noisy, timesteps, **unet_kwargs).sample
-    if noise_scheduler.config.prediction_type == "v_prediction":
-        target = noise_scheduler.get_velocity(latents, noise, timesteps)
-    else:
-        target = noise
-    return prior_preservation_loss(pred, target, with_prior_preservation, prior_loss_weight)
-
-
 # --- inputs ----------------------------------------------------------------------------------------
 
 
@@ -366,11 +338,18 @@ def training_step(
                                                run.noise_scheduler.config.num_train_timesteps, config.seed, epoch)  # fmt: skip
         with accelerator.autocast():
             sizes = [run.view_sizes[int(v)] for v in views] if run.view_sizes else ()
-            unet_kwargs = run.family.unet_kwargs(conditioning(run, len(batch["index"])), sizes)
-            loss, instance, prior = dreambooth_loss(
-                run.unet, run.noise_scheduler, latents * run.scaling, noise, timesteps, unet_kwargs,
-                run.prior, config.prior_loss_weight,
-            )  # fmt: skip
+            cond = conditioning(run, len(batch["index"]))
+            pred, target = families.prediction_and_target(
+                run.family,
+                run.unet,
+                run.noise_scheduler,
+                latents * run.scaling,
+                noise,
+                timesteps,
+                cond,
+                sizes,
+            )
+            loss, instance, prior = prior_preservation_loss(pred, target, run.prior, config.prior_loss_weight)
         accelerator.backward(loss)  # divided by the accumulation steps
         sums += torch.tensor([loss.item(), instance.item(), 0.0 if prior is None else prior.item()])
     means = sums / len(micro_batches)

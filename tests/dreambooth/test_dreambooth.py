@@ -15,8 +15,9 @@ from helpers.dreambooth import class_images, lora, training
 from helpers.dreambooth.config import DreamBoothConfig, DreamBoothConfigError, parse_args
 from helpers.launching import job
 from helpers.launching.layout import ClusterLayout, free_port
-from helpers.training import data, models
+from helpers.training import data, families, models
 from helpers.training.engine import prepack
+from helpers.training.families import Conditioning, sd1
 
 
 def tiny_config(tmp_path, name="run", **overrides) -> DreamBoothConfig:
@@ -151,6 +152,14 @@ def test_prior_preservation_loss_equals_a_direct_computation():
     assert alone.item() == same.item() == (1 + 9 + 4 + 4) / 4 and none is None
 
 
+def _loss(parts, latents, noise, timesteps, states, prior: bool, weight: float = 1.0):
+    """DreamBooth's loss of one SD v1 batch, as its step computes it."""
+    pred, target = families.prediction_and_target(
+        sd1.FAMILY, parts.unet, parts.noise_scheduler, latents, noise, timesteps, Conditioning(states)
+    )
+    return training.prior_preservation_loss(pred, target, prior, weight)
+
+
 def test_one_unet_call_on_both_halves_equals_two_calls():
     parts = models.load_components("tiny")
     gen = torch.Generator().manual_seed(0)
@@ -160,13 +169,9 @@ def test_one_unet_call_on_both_halves_equals_two_calls():
                           max_length=77, return_tensors="pt").input_ids  # fmt: skip
     with torch.no_grad():
         states = parts.text_encoder(ids)[0]
-        args = (parts.unet, parts.noise_scheduler)
-        both = {"encoder_hidden_states": states}
-        total, subject, prior = training.dreambooth_loss(*args, latents, noise, timesteps, both, True, 0.7)
+        total, subject, prior = _loss(parts, latents, noise, timesteps, states, True, 0.7)
         alone = [
-            training.dreambooth_loss(
-                *args, latents[s], noise[s], timesteps[s], {"encoder_hidden_states": states[s]}, False
-            )[0]
+            _loss(parts, latents[s], noise[s], timesteps[s], states[s], False)[0]
             for s in (slice(0, 2), slice(2, 4))
         ]
     torch.testing.assert_close(subject, alone[0])
@@ -195,15 +200,7 @@ def test_the_lora_gets_the_same_gradient_through_prepacked_convolutions():
     def gradients() -> list[torch.Tensor]:
         for p in params:
             p.grad = None
-        args = (
-            parts.unet,
-            parts.noise_scheduler,
-            latents,
-            noise,
-            torch.tensor([10, 700]),
-            {"encoder_hidden_states": states},
-        )
-        training.dreambooth_loss(*args, False)[0].backward()
+        _loss(parts, latents, noise, torch.tensor([10, 700]), states, False)[0].backward()
         return [p.grad.clone() for p in params]
 
     plain = gradients()

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from tiny_parts import mapped_rss, tiny_config
+from tiny_parts import mapped_rss, sd1_loss, tiny_config
 
 from helpers.core import cpu
 from helpers.core.errors import InputError
@@ -392,9 +392,7 @@ def test_the_placeholder_gets_the_same_gradient_through_prepacked_layers():
 
     def gradient() -> torch.Tensor:
         learned.vectors.grad = None
-        ti.diffusion_loss(
-            base.unet, base.text_encoder, base.noise_scheduler, input_ids, latents, noise, t
-        ).backward()
+        sd1_loss(base.unet, base.text_encoder, base.noise_scheduler, input_ids, latents, noise, t).backward()
         return learned.vectors.grad.clone()
 
     plain = gradient()

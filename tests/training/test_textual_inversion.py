@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_parts import step_parts, tiny_config
+from tiny_parts import sd1_loss, step_parts, tiny_config
 
 from helpers.core import cpu
-from helpers.training import data, models
+from helpers.training import data, families, models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import TrainConfig
 from helpers.training.engine import events
@@ -65,7 +65,7 @@ def test_only_new_rows_train_and_match_full_matrix_with_restore():
     original = emb.detach().clone()
     base.unet.requires_grad_(False)
     for input_ids, latents, noise, t in batches:
-        loss = ti.diffusion_loss(base.unet, ref_te, base.noise_scheduler, input_ids, latents, noise, t)
+        loss = sd1_loss(base.unet, ref_te, base.noise_scheduler, input_ids, latents, noise, t)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -80,7 +80,7 @@ def test_only_new_rows_train_and_match_full_matrix_with_restore():
     opt = torch.optim.AdamW(learned.parameters(), lr=1e-2, weight_decay=0.0)
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == 32
     for input_ids, latents, noise, t in batches:
-        loss = ti.diffusion_loss(base.unet, te, base.noise_scheduler, input_ids, latents, noise, t)
+        loss = sd1_loss(base.unet, te, base.noise_scheduler, input_ids, latents, noise, t)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -336,12 +336,12 @@ def test_bf16_run_keeps_the_saved_unet_fp32_and_untouched(tmp_path, monkeypatch)
     work, the learned rows stay fp32 and the saved pipeline's UNet is the base one, bit for bit."""
     from diffusers import StableDiffusionPipeline
 
-    from helpers.training.engine import step as engine_step
-
     seen = []
-    original = engine_step.diffusion_loss
+    original = families.diffusion_loss
     monkeypatch.setattr(
-        engine_step, "diffusion_loss", lambda unet, *a: seen.append(unet.dtype) or original(unet, *a)
+        families,
+        "diffusion_loss",
+        lambda family, unet, *a: seen.append(unet.dtype) or original(family, unet, *a),
     )
     cfg = tiny_config(
         tmp_path,

@@ -123,33 +123,6 @@ def draw_batch(
     return latents, noise, timesteps.squeeze(1)
 
 
-def diffusion_loss(
-    unet,
-    text_encoder,
-    noise_scheduler,
-    input_ids: torch.Tensor,
-    latents: torch.Tensor,
-    noise: torch.Tensor,
-    timesteps: torch.Tensor,
-    family: Family = sd1.FAMILY,
-    text_encoder_2=None,
-    input_ids_2: torch.Tensor | None = None,
-    sizes: Sequence[ImageSizes] = (),
-) -> torch.Tensor:
-    """The denoising loss of one batch (latents already scaled by the VAE's scaling factor), as
-    ``family`` encodes prompts and calls the UNet (:func:`helpers.training.families.diffusion_loss`).
-
-    Args:
-        family: SD v1 by default; SDXL takes its second encoder, its ids and each example's sizes too.
-    """
-    encoders, ids = (text_encoder,), (input_ids,)
-    if text_encoder_2 is not None:
-        encoders, ids = (text_encoder, text_encoder_2), (input_ids, input_ids_2)
-    return families.diffusion_loss(
-        family, unet, encoders, noise_scheduler, ids, latents, noise, timesteps, sizes
-    )
-
-
 # --- the step ----------------------------------------------------------------------------------
 
 
@@ -292,13 +265,12 @@ class StepParts(Update):
         learned = [self.learned] if self.learned_2 is None else [self.learned, self.learned_2]
         return [getattr(m, "module", m).vectors for m in learned]
 
-    def loss_extras(self, batch: dict) -> dict:
-        """What :func:`diffusion_loss` needs of a batch beyond SD v1's arguments ({} for SD v1)."""
+    def loss_inputs(self, batch: dict) -> tuple[tuple, tuple, list[ImageSizes]]:
+        """The text encoders, a batch's token ids for each, and each example's sizes (SDXL's; none for SD v1)."""
         if self.text_encoder_2 is None:
-            return {}
+            return (self.text_encoder,), (batch["input_ids"],), []
         sizes = [self.view_sizes[int(v)] for v in batch["view_index"]]
-        return {"family": self.family, "text_encoder_2": self.text_encoder_2,
-                "input_ids_2": batch["input_ids_2"], "sizes": sizes}  # fmt: skip
+        return (self.text_encoder, self.text_encoder_2), (batch["input_ids"], batch["input_ids_2"]), sizes
 
 
 def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, step: int) -> float:
@@ -335,16 +307,19 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
             parts.seed,
             epoch,
         )
+        encoders, input_ids, sizes = parts.loss_inputs(batch)
         with parts.autocast():
-            loss = diffusion_loss(
+            scaled = latents * parts.scaling_factor
+            loss = families.diffusion_loss(
+                parts.family,
                 parts.unet,
-                parts.text_encoder,
+                encoders,
                 parts.noise_scheduler,
-                batch["input_ids"],
-                latents * parts.scaling_factor,
+                input_ids,
+                scaled,
                 noise,
                 timesteps,
-                **parts.loss_extras(batch),
+                sizes,
             )
         parts.backward(loss)
         losses.append(loss.detach().item())

@@ -18,8 +18,9 @@ Families (:data:`FAMILIES`), read from the ``_class_name`` of a pipeline's ``mod
   penultimate hidden states concatenated, the second's pooled output and the images' sizes as
   ``added_cond_kwargs``.
 
-Nothing here knows a method; a method calls :func:`diffusion_loss` (or the family's two functions)
-with its own trainable parts installed in the modules.
+Nothing here knows a method; a method calls :func:`diffusion_loss` (from the prompts' token ids) or
+:func:`prediction_and_target` (from a conditioning it made) with its own trainable parts installed
+in the modules.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "load_text_encoders",
     "load_tokenizers",
     "noise_prediction",
+    "prediction_and_target",
     "tokenize",
 ]
 
@@ -143,6 +145,25 @@ def noise_prediction(
     return unet(noisy_latents, timesteps, **family.unet_kwargs(conditioning, sizes)).sample
 
 
+def prediction_and_target(
+    family: Family,
+    unet: torch.nn.Module,
+    noise_scheduler,
+    latents: torch.Tensor,
+    noise: torch.Tensor,
+    timesteps: torch.Tensor,
+    conditioning: Conditioning,
+    sizes: Sequence[ImageSizes] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The UNet's prediction for the noised latents (already scaled by the VAE's scaling factor),
+    and what it should have predicted (the noise, or the velocity for ``v_prediction`` models)."""
+    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+    pred = noise_prediction(family, unet, noisy, timesteps, conditioning, sizes)
+    if noise_scheduler.config.prediction_type == "v_prediction":
+        return pred, noise_scheduler.get_velocity(latents, noise, timesteps)
+    return pred, noise
+
+
 def diffusion_loss(
     family: Family,
     unet: torch.nn.Module,
@@ -154,15 +175,10 @@ def diffusion_loss(
     timesteps: torch.Tensor,
     sizes: Sequence[ImageSizes] = (),
 ) -> torch.Tensor:
-    """The denoising loss of one batch (latents already scaled by the VAE's scaling factor).
-
-    For SD v1 this is the textual-inversion engine's loss, operation for operation.
-    """
-    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+    """The denoising loss of one batch from its prompts' token ids: the prompts encoded as ``family``
+    does, then the mean squared error of :func:`prediction_and_target`."""
     conditioning = family.encode_prompt(text_encoders, input_ids)
-    pred = noise_prediction(family, unet, noisy, timesteps, conditioning, sizes)
-    if noise_scheduler.config.prediction_type == "v_prediction":
-        target = noise_scheduler.get_velocity(latents, noise, timesteps)
-    else:
-        target = noise
+    pred, target = prediction_and_target(
+        family, unet, noise_scheduler, latents, noise, timesteps, conditioning, sizes
+    )
     return F.mse_loss(pred.float(), target.float(), reduction="mean")
