@@ -20,10 +20,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_parts import step_parts, tiny_config
+from tiny_parts import sd1_loss, step_parts, tiny_config
 
 from helpers.core import cpu
-from helpers.training import data, models
+from helpers.training import data, families, models
 from helpers.training import textual_inversion as ti
 
 REQUIRED = os.environ.get("WORKSHOP_REQUIRE_IPEX") == "1"
@@ -99,14 +99,14 @@ def test_the_engine_applies_ipex_to_the_unet_with_prepacking_and_channels_last_o
 
     monkeypatch.setattr(ipex, "optimize", spy)
     seen = []
-    original = ti.diffusion_loss
+    original = families.diffusion_loss
 
-    def loss_spy(unet, *args):
+    def loss_spy(family, unet, *args):
         conv = next(m for m in unet.modules() if isinstance(m, torch.nn.Conv2d))
         seen.append(conv.weight.is_contiguous())  # not silently switched to channels-last
-        return original(unet, *args)
+        return original(family, unet, *args)
 
-    monkeypatch.setattr("helpers.training.engine.step.diffusion_loss", loss_spy)
+    monkeypatch.setattr(families, "diffusion_loss", loss_spy)
     cfg = tiny_config(tmp_path, "out", max_train_steps=2, mixed_precision="no", use_ipex=True)
     result = ti.train(cfg)
     assert [c[0] for c in calls] == [UNet2DConditionModel]  # the UNet only, once
@@ -216,7 +216,7 @@ def _first_gradient(parts, batch) -> torch.Tensor:
     latents = parts.latent_mean[:1] * parts.scaling_factor
     hook = ti.EmbeddingHook(parts.text_encoder, parts.learned)
     try:
-        loss = ti.diffusion_loss(
+        loss = sd1_loss(
             parts.unet,
             parts.text_encoder,
             parts.noise_scheduler,
