@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,7 @@ def setup_run(config: DreamBoothConfig) -> Run:
         latent_mean=torch.cat([m for m, _ in cached]), latent_std=torch.cat([s for _, s in cached]),
         scaling=vae.config.scaling_factor, prompt_ids=prompt_ids, fixed_states=fixed_states, pairs=pairs,
         class_images=made, started=started, prepacked_convs=packed and dataclasses.asdict(packed),
+        prepacked=bool(packed and packed.convolutions),
         family=family, tokenizer_2=tokenizers[1] if encoder_2 is not None else None, text_encoder_2=encoder_2,
         view_sizes=[size for v in views for size in v.sizes()],
     )  # fmt: skip  # the VAE is not kept: it encoded each picture once, above
@@ -327,17 +329,30 @@ def training_step(
     Returns:
         This process's mean losses ``[total, subject(, class)]`` over the micro-batches.
     """
-    accelerator, config = run.accelerator, run.config
     sums = torch.zeros(3)
     for batch in micro_batches:
-        index, views = batch["index"], batch["instance_view"]
-        if run.prior:  # the class picture of item i draws with the key len(pairs) + i
-            index = torch.cat([index, index + len(run.pairs)])
-            views = torch.cat([views, batch["class_view"]])
-        latents, noise, timesteps = draw_batch(run.latent_mean, run.latent_std, index, views,
-                                               run.noise_scheduler.config.num_train_timesteps, config.seed, epoch)  # fmt: skip
-        with accelerator.autocast():
-            sizes = [run.view_sizes[int(v)] for v in views] if run.view_sizes else ()
+        loss, instance, prior = micro_batch_forward(run, batch, epoch)()
+        run.accelerator.backward(loss)  # divided by the accumulation steps
+        sums += torch.tensor([loss.item(), instance.item(), 0.0 if prior is None else prior.item()])
+    means = sums / len(micro_batches)
+    apply_update(run.update, run.params, means[:1].tolist(), step)
+    return means if run.prior else means[:2]
+
+
+def micro_batch_forward(run: Run, batch: dict[str, torch.Tensor], epoch: int) -> Callable[[], tuple]:
+    """One micro-batch's keyed draws, and its forward from them to its losses ``(total, subject,
+    class or None)``, to be called: the prompts' conditioning, the family's prediction and target,
+    prior preservation."""
+    index, views = batch["index"], batch["instance_view"]
+    if run.prior:  # the class picture of item i draws with the key len(pairs) + i
+        index = torch.cat([index, index + len(run.pairs)])
+        views = torch.cat([views, batch["class_view"]])
+    latents, noise, timesteps = draw_batch(run.latent_mean, run.latent_std, index, views,
+                                           run.noise_scheduler.config.num_train_timesteps, run.config.seed, epoch)  # fmt: skip
+    sizes = [run.view_sizes[int(v)] for v in views] if run.view_sizes else ()
+
+    def forward() -> tuple:
+        with run.accelerator.autocast():
             cond = conditioning(run, len(batch["index"]))
             pred, target = families.prediction_and_target(
                 run.family,
@@ -349,12 +364,9 @@ def training_step(
                 cond,
                 sizes,
             )
-            loss, instance, prior = prior_preservation_loss(pred, target, run.prior, config.prior_loss_weight)
-        accelerator.backward(loss)  # divided by the accumulation steps
-        sums += torch.tensor([loss.item(), instance.item(), 0.0 if prior is None else prior.item()])
-    means = sums / len(micro_batches)
-    apply_update(run.update, run.params, means[:1].tolist(), step)
-    return means if run.prior else means[:2]
+            return prior_preservation_loss(pred, target, run.prior, run.config.prior_loss_weight)
+
+    return forward
 
 
 # --- the method ----------------------------------------------------------------------------------
@@ -391,6 +403,9 @@ class DreamBoothLora(loop.Method):
 
     def step(self, run: Run, micro_batches: list[dict], epoch: int, step: int) -> torch.Tensor:
         return training_step(run, micro_batches, epoch, step)
+
+    def forward(self, run: Run, micro_batch: dict, epoch: int) -> Callable[[], tuple]:
+        return micro_batch_forward(run, micro_batch, epoch)
 
     def loss_parts(self, run: Run) -> tuple[str, ...]:
         return ("instance_loss", "prior_loss") if run.prior else ("instance_loss",)

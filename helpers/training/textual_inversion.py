@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,7 @@ from helpers.training.engine.step import (
     cache_latents,
     check_gradient_reaches,
     draw_sample_noise,
+    micro_batch_forward,
     sample_generator,
     training_step,
 )
@@ -216,6 +217,9 @@ class TextualInversion(loop.Method):
 
     def step(self, run: Run, micro_batches: list[dict], epoch: int, step: int) -> torch.Tensor:
         return torch.tensor([training_step(run.parts, micro_batches, epoch, step)])
+
+    def forward(self, run: Run, micro_batch: dict, epoch: int) -> Callable[[], torch.Tensor]:
+        return micro_batch_forward(run.parts, micro_batch, epoch)
 
     def images_per_step(self, run: Run) -> int:
         config = run.config

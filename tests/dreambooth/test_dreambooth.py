@@ -338,6 +338,8 @@ def test_run_outputs(run):
     assert (summary["allreduce_calls"], summary["allreduce_bytes_per_step"]) == (0, 0)  # one process
     assert summary["lora_weights_bytes"] == result.lora_weights_path.stat().st_size
     assert summary["prepacked_convs"]["reason"] is None and summary["prepacked_convs"]["convolutions"] > 0
+    # every packed convolution was laid out before the first step (the LoRA'd linear layers are not packed)
+    assert summary["startup"]["laid_out"]["layers"] == summary["prepacked_convs"]["convolutions"]
     assert not [p for p in out.rglob(".*") if p.name != ".class_images.json"]  # no temporaries left
     kohya = load_file(out / lora.KOHYA_WEIGHTS)  # --output_kohya_format: the same matrices, kohya's keys
     assert kohya.keys() == lora.kohya_state_dict(result.lora_weights_path).keys()

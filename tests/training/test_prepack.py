@@ -5,6 +5,7 @@ own layers, the gradient still reaching the placeholder, and the engine's choice
 from __future__ import annotations
 
 import copy
+import logging
 import types
 
 import pytest
@@ -434,6 +435,49 @@ def test_the_input_gradient_stays_channels_last_without_a_copy():
     assert torch.equal(got, from_plain_layout)
 
 
+def _conv_then_linear(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Flatten(2), torch.nn.Linear(64, 16)
+    ).requires_grad_(False)
+
+
+def test_lay_out_makes_the_copies_of_the_first_step_before_it():
+    """A forward on fake tensors shows each packed layer its shapes; the copies made from them are
+    the first step's: a step after lay_out makes none and computes what the lazily packed twin
+    computes, bit for bit. A layer reached without a gradient gets the forward's copy only."""
+    lazy, ahead, frozen_input = _conv_then_linear(0), _conv_then_linear(0), _conv_then_linear(1)
+    for net in (lazy, ahead, frozen_input):
+        assert prepack.pack_conv(net[0]) and prepack.pack_linear(net[2])
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    assert prepack.lay_out(lambda: ahead(x).square().sum()) == 2
+    assert [set(prepack._copies(m)) for m in (ahead[0], ahead[2])] == [{"fwd", "bwd"}, {"fwd", "bias", "bwd"}]
+    assert ahead[0].weight.numel() == ahead[2].weight.numel() == 0  # released, as after a first step
+    copies = [dict(prepack._copies(m)) for m in (ahead[0], ahead[2])]
+    results = []
+    for net in (lazy, ahead):
+        y = net(x)
+        results.append((y, *torch.autograd.grad(y.square().sum(), x)))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert [prepack._copies(m) for m in (ahead[0], ahead[2])] == copies  # the step made no copy
+    assert prepack.lay_out(lambda: frozen_input(x.detach())) == 2
+    assert [set(prepack._copies(m)) for m in (frozen_input[0], frozen_input[2])] == [{"fwd"}, {"fwd", "bias"}]
+
+
+def test_a_forward_that_cannot_run_on_fake_tensors_leaves_the_copies_to_the_first_step(caplog):
+    net = _conv_then_linear(0)
+    assert prepack.pack_conv(net[0]) and prepack.pack_linear(net[2])
+    x = torch.randn(1, 4, 8, 8)
+    with caplog.at_level(logging.INFO, logger=prepack.__name__):
+        assert prepack.lay_out(lambda: float(net(x).sum())) == 0  # a value, which fake tensors do not have
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "weights laid out on first use instead of at start-up"
+    ]
+    assert net[0] not in prepack._COPIES and net[2] not in prepack._COPIES
+    torch.testing.assert_close(net(x), _conv_then_linear(0)(x), rtol=1e-5, atol=1e-5)  # made on first use
+    assert set(prepack._copies(net[0])) == {"fwd"}
+
+
 def test_a_run_prepacks_by_default_records_it_and_can_turn_it_off(tmp_path):
     packed = ti.train(tiny_config(tmp_path, "packed", max_train_steps=2))
     plain = ti.train(
@@ -449,6 +493,10 @@ def test_a_run_prepacks_by_default_records_it_and_can_turn_it_off(tmp_path):
     assert record["bytes"] == prepack.copy_bytes(unet) + linears
     assert (convs_only.summary["startup"]["prepacked_convs"]["linears"]) == 0
     assert "prepacked_convs" not in plain.summary["startup"]
+    # every packed layer was laid out before the first step; with nothing packed there is nothing to lay out
+    assert packed.summary["startup"]["laid_out"]["layers"] == record["convolutions"] + record["linears"]
+    assert convs_only.summary["startup"]["laid_out"]["layers"] == record["convolutions"]
+    assert "laid_out" not in plain.summary["startup"]
     # the first step's loss is computed before any update: the two runs agree on it
     assert packed.history[0]["loss"] == pytest.approx(plain.history[0]["loss"], rel=1e-5)
 

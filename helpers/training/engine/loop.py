@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from accelerate.logging import get_logger
 from helpers.core import cpu
 from helpers.core.outputs import HISTORY, HISTORY_PARTIAL, SUMMARY
 from helpers.ranks import faults, status
-from helpers.training.engine import TrainingInputError, events, tracking
+from helpers.training.engine import TrainingInputError, events, prepack, tracking
 from helpers.training.engine.checkpoints import (
     check_not_past_the_end,
     checkpoint_step,
@@ -74,6 +75,8 @@ class Run:
         steps_per_epoch, max_steps: the schedule.
         counter: the one gradient all-reduce and its byte count (all-reduces only with several processes).
         startup: what start-up did, recorded in ``run_summary.json``.
+        prepacked: some frozen layers compute on weights laid out once (:mod:`~helpers.training.engine.prepack`):
+            the loop makes their copies before the first step (:func:`lay_out`).
     """
 
     config: Any
@@ -89,6 +92,7 @@ class Run:
     max_steps: int
     counter: AllreduceCounter = field(default_factory=AllreduceCounter)
     startup: dict = field(default_factory=dict)
+    prepacked: bool = False
 
     @property
     def num_epochs(self) -> int:
@@ -123,6 +127,12 @@ class Method:
 
     def step(self, run: Run, micro_batches: list[dict], epoch: int, step: int) -> torch.Tensor:
         """One optimisation step; this process's mean losses (the total first, then :meth:`loss_parts`)."""
+        raise NotImplementedError
+
+    def forward(self, run: Run, micro_batch: dict, epoch: int) -> Callable[[], Any]:
+        """One micro-batch's inputs, and its forward from them to the loss :meth:`step` back-propagates,
+        to be called (the loop calls it once on fake tensors before the first step, to lay out the
+        frozen weights: :func:`lay_out`)."""
         raise NotImplementedError
 
     def images_per_step(self, run: Run) -> int:
@@ -246,9 +256,11 @@ def train(method: Method, config) -> Any:
         history = prepare_output_dir(run, method.layout, start)
         tracking.start(run.accelerator, method.name, dataclasses.asdict(config))
         with method.running(run):
-            record_startup(run, called)
-            # A run never trains past max_steps: resumed at its last step, it only writes the outputs.
-            last = train_loop(method, run, start, history) if start < run.max_steps else start
+            if start < run.max_steps:
+                last = train_loop(method, run, start, history, called)
+            else:  # a run never trains past max_steps: resumed at its last step, it only writes the outputs
+                record_startup(run, called)
+                last = start
             return finish(method, run, history, last)
 
 
@@ -333,32 +345,50 @@ def schedule(run: Run, start: int) -> Iterator[tuple[int, list[dict], bool]]:
             yield epoch, current, True
 
 
-def train_loop(method: Method, run: Run, start: int, history: list[dict]) -> int:
-    """Train from step ``start`` to ``run.max_steps``, appending to ``history``; return the last step."""
-    accelerator, config, step = run.accelerator, run.config, start
-    bar, listeners = events.run_listeners(accelerator, method.title, run.max_steps, step)
-    parts, images = method.loss_parts(run), method.images_per_step(run)
+def lay_out(method: Method, run: Run, micro_batch: dict, epoch: int) -> None:
+    """Make the prepacked layers' copies now, for the first step's micro-batch, so that the first step
+    runs at the pace of the others (:func:`helpers.training.engine.prepack.lay_out`; its time is
+    start-up's, recorded as ``startup["laid_out"]``)."""
+    if not run.prepacked:
+        return
+    status.beat("laying out weights")
     began = time.perf_counter()
+    layers = prepack.lay_out(method.forward(run, micro_batch, epoch))
+    run.startup["laid_out"] = {"layers": layers, "seconds": round(time.perf_counter() - began, 3)}
+
+
+def train_loop(method: Method, run: Run, start: int, history: list[dict], called: float) -> int:
+    """Train from step ``start`` to ``run.max_steps``, appending to ``history``; return the last step.
+    ``called``: when :func:`train` was called (start-up ends here, once the weights are laid out)."""
+    accelerator, config, step = run.accelerator, run.config, start
+    parts, images = method.loss_parts(run), method.images_per_step(run)
     # Each step allocates and frees gigabytes; keeping freed memory avoids re-faulting it in (cpu.py).
-    # The bar is closed however the loop ends, so an error is printed on a line of its own.
-    with contextlib.closing(bar), cpu.keep_freed_memory():
-        for epoch, micro_batches, ends_epoch in schedule(run, start):
-            local = method.step(run, micro_batches, epoch, step + 1)
-            step += 1
-            loss, *values = accelerator.reduce(local, reduction="mean").tolist()
-            seconds = time.perf_counter() - began
-            ended = events.StepEnded(step, run.max_steps, loss, run.lr_scheduler.get_last_lr()[0], seconds,
-                                     images / seconds if seconds else None, dict(zip(parts, values, strict=True)))  # fmt: skip
-            history.append(ended.history_record())
-            events.publish(ended, listeners)
-            if step % config.checkpointing_steps == 0:
-                save_checkpoint_now(method, run, step, history)
-            method.after_step(run, step)
-            if step >= run.max_steps:
-                break
-            if ends_epoch:
-                method.after_epoch(run, epoch, step)
-            began = time.perf_counter()
+    with cpu.keep_freed_memory():
+        steps = schedule(run, start)
+        first = next(steps)
+        lay_out(method, run, first[1][0], first[0])
+        record_startup(run, called)
+        bar, listeners = events.run_listeners(accelerator, method.title, run.max_steps, step)
+        began = time.perf_counter()
+        # The bar is closed however the loop ends, so an error is printed on a line of its own.
+        with contextlib.closing(bar):
+            for epoch, micro_batches, ends_epoch in itertools.chain([first], steps):
+                local = method.step(run, micro_batches, epoch, step + 1)
+                step += 1
+                loss, *values = accelerator.reduce(local, reduction="mean").tolist()
+                seconds = time.perf_counter() - began
+                ended = events.StepEnded(step, run.max_steps, loss, run.lr_scheduler.get_last_lr()[0], seconds,
+                                         images / seconds if seconds else None, dict(zip(parts, values, strict=True)))  # fmt: skip
+                history.append(ended.history_record())
+                events.publish(ended, listeners)
+                if step % config.checkpointing_steps == 0:
+                    save_checkpoint_now(method, run, step, history)
+                method.after_step(run, step)
+                if step >= run.max_steps:
+                    break
+                if ends_epoch:
+                    method.after_epoch(run, epoch, step)
+                began = time.perf_counter()
     return step
 
 

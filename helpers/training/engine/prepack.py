@@ -45,8 +45,9 @@ several megabytes to every copy). The text encoder's linear layers are packed to
 a packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype. What the
 whole step gains: ``docs/performance.md``.
 
-The copies are made on first use, so the first step pays for them, and the steps after it pay them
-back (how soon: ``docs/performance.md``, the guides' command end to end).
+The copies are made on first use, or before it by :func:`lay_out` (which the run loop calls before
+the first step, so that step runs at the pace of the others); either way a run pays for them once, and
+the steps pay them back (how soon: ``docs/performance.md``, the guides' command end to end).
 The copies cannot be kept on disk for the next run: they are oneDNN
 tensors, whose storage PyTorch cannot save (``torch.save`` raises).
 """
@@ -55,13 +56,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import types
 import weakref
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers.core import cpu
 from helpers.core.errors import InputError
@@ -74,6 +77,12 @@ MEMORY_SHARE = 0.5
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # layer whose dense weight _release freed -> (its forward's copy, the hook that puts it in state_dict()).
 _RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# While lay_out runs a forward on fake tensors: each packed layer reached, with its input's shape,
+# whether a gradient flows back and the dtype it computes in (else None).
+_SHAPES_ONLY: list[tuple[torch.nn.Module, torch.Size, bool, torch.dtype]] | None = None
+
+
+logger = logging.getLogger(__name__)
 
 
 class _PackedConvFn(torch.autograd.Function):
@@ -161,27 +170,45 @@ def restore(module: torch.nn.Module) -> None:
 
 
 def _forward(conv: torch.nn.Conv2d, x: torch.Tensor, backward: bool = False) -> torch.Tensor:
-    """``conv(x)`` on the forward's copy; with ``backward`` (a gradient will flow back), the input
-    gradient's copy is made here too, from the dense weight before it is freed: made in the
-    backward instead, it would be rebuilt from the forward's copy while every activation is held."""
+    """``conv(x)`` on the forward's copy (made here on first use, with the input gradient's if
+    ``backward``: a gradient will flow back)."""
     x = x.to(conv.weight.dtype)  # under bf16 autocast the input may come from an fp32 op (group norm)
+    state = _conv_copies(conv, x.shape, backward)
     if not conv._pack_forward:
         return conv._conv_forward(x, conv.weight, conv.bias)
-    state = _copies(conv)
-    if "fwd" not in state:
-        state["fwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
-            conv.weight.detach().to_mkldnn(), list(conv.padding), list(conv.stride), [1, 1], 1, list(x.shape)
-        )
-        if backward and _packs_input_grad(conv):
-            out = [
-                s + 2 * p - k + 1 for s, p, k in zip(x.shape[2:], conv.padding, conv.kernel_size, strict=True)
-            ]
-            _input_grad_copy(conv, state, conv.weight.detach(), [x.shape[0], conv.out_channels, *out])
-        if _packs_input_grad(conv):  # else PyTorch's input gradient needs it
-            _release(conv, state)
     return torch.ops.mkldnn._convolution_pointwise(
         x, state["fwd"], conv.bias, list(conv.padding), list(conv.stride), [1, 1], 1, "none", [], ""
     )
+
+
+def _conv_copies(
+    conv: torch.nn.Conv2d, input_shape: Sequence[int], backward: bool
+) -> dict[str, torch.Tensor]:
+    """``conv``'s copies for an input of ``input_shape``, made where missing: the forward's, and with
+    ``backward`` the input gradient's, made from the dense weight before it is freed (made in the
+    backward instead, it would be rebuilt from the forward's copy while every activation is held)."""
+    state = _copies(conv)
+    made = conv._pack_forward and "fwd" not in state
+    if made:
+        state["fwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
+            conv.weight.detach().to_mkldnn(),
+            list(conv.padding),
+            list(conv.stride),
+            [1, 1],
+            1,
+            list(input_shape),
+        )
+    if backward and _packs_input_grad(conv) and "bwd" not in state:
+        _input_grad_copy(conv, state, _dense(conv), _output_shape(conv, input_shape))
+    if made and _packs_input_grad(conv):  # else PyTorch's input gradient needs the dense weight
+        _release(conv, state)
+    return state
+
+
+def _output_shape(conv: torch.nn.Conv2d, input_shape: Sequence[int]) -> list[int]:
+    n, _, *size = input_shape
+    edges = zip(size, conv.padding, conv.kernel_size, conv.stride, strict=True)
+    return [n, conv.out_channels, *((s + 2 * p - k) // step + 1 for s, p, k, step in edges)]
 
 
 def _packs_input_grad(conv: torch.nn.Conv2d) -> bool:
@@ -207,11 +234,8 @@ def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Si
     # A packed convolution works on channels-last activations (see the module's docstring); the
     # gradients arriving here mostly are, and a plain .contiguous() would copy them there and back.
     grad = grad.contiguous(memory_format=torch.channels_last)
-    state = _copies(conv)
-    if "bwd" not in state:  # its forward ran without a gradient first
-        _input_grad_copy(conv, state, _dense(conv), list(grad.shape))
     return torch.ops.mkldnn._convolution_transpose_pointwise(
-        grad, state["bwd"], None, list(conv.padding), [0, 0], [1, 1], [1, 1], 1, "none", [], ""
+        grad, _copies(conv)["bwd"], None, list(conv.padding), [0, 0], [1, 1], [1, 1], 1, "none", [], ""
     )
 
 
@@ -228,9 +252,10 @@ def _plain_here(module: torch.nn.Module) -> bool:
 def _packed_call(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     if _plain_here(conv):
         return type(conv).forward(conv, x)
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _PackedConvFn.apply(x, conv)
-    return _forward(conv, x)
+    backward = torch.is_grad_enabled() and x.requires_grad
+    if _SHAPES_ONLY is not None:
+        return _shape_only(conv, x, backward, _output_shape(conv, x.shape), conv.weight.dtype)
+    return _PackedConvFn.apply(x, conv) if backward else _forward(conv, x)
 
 
 class _PackedLinearFn(torch.autograd.Function):
@@ -248,12 +273,12 @@ def _linear_pointwise(x: torch.Tensor, laid_out: torch.Tensor, bias: torch.Tenso
     return torch.ops.mkldnn._linear_pointwise(x, laid_out, bias, "none", [], "")
 
 
-def _lay_out_linear(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    # ``rows`` (the input's rows, batch x tokens) is oneDNN's hint for the layout; any other count works.
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows.numel() // rows.shape[-1])
+def _lay_out_linear(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    # ``rows`` (the input's, batch x tokens) is oneDNN's hint for the layout; any other count works.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
 
-def _linear_input_grad_copy(dense: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor) -> torch.Tensor:
+def _linear_input_grad_copy(dense: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
     # cast before transposing: casting the transposed view would keep its strides, one copy more
     return _lay_out_linear(dense.to(dtype).t().contiguous(), rows)
 
@@ -264,39 +289,83 @@ def _compute_dtype(linear: torch.nn.Module) -> torch.dtype:
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else linear.weight.dtype
 
 
+def _linear_copies(linear: torch.nn.Linear, dtype: torch.dtype, rows: int, backward: bool) -> dict:
+    """``linear``'s copies for computing in ``dtype`` on ``rows`` rows, made where missing (as
+    :func:`_conv_copies` makes a convolution's)."""
+    state = _copies(linear, dtype)
+    if "fwd" not in state:
+        state["fwd"] = _lay_out_linear(linear.weight.detach().to(dtype), rows)
+        state["bias"] = None if linear.bias is None else linear.bias.detach().to(dtype)
+        if backward:
+            state["bwd"] = _linear_input_grad_copy(linear.weight.detach(), dtype, rows)
+        if linear.weight.dtype == dtype:  # else the dense weight holds more than the copies
+            _release(linear, state)
+    elif backward and "bwd" not in state:
+        state["bwd"] = _linear_input_grad_copy(_dense(linear), dtype, rows)
+    return state
+
+
 def _linear_forward(
     linear: torch.nn.Linear, x: torch.Tensor, dtype: torch.dtype, backward: bool = False
 ) -> torch.Tensor:
-    """``linear(x)`` computed in ``dtype`` on the forward's copy; with ``backward``, the input
-    gradient's copy is made here too, from the dense weight (as :func:`_forward` does)."""
+    """``linear(x)`` computed in ``dtype`` on the forward's copy (made here on first use, with the
+    input gradient's if ``backward``)."""
     x = x.to(dtype)  # e.g. under bf16 autocast the input comes from an fp32 op (layer norm)
-    state = _copies(linear, dtype)
-    if "fwd" not in state:
-        state["fwd"] = _lay_out_linear(linear.weight.detach().to(dtype), x)
-        state["bias"] = None if linear.bias is None else linear.bias.detach().to(dtype)
-        if backward:
-            state["bwd"] = _linear_input_grad_copy(linear.weight.detach(), dtype, x)
-        if linear.weight.dtype == dtype:  # else the dense weight holds more than the copies
-            _release(linear, state)
+    state = _linear_copies(linear, dtype, x.numel() // x.shape[-1], backward)
     return _linear_pointwise(x, state["fwd"], state["bias"])
 
 
 def _linear_input_grad(linear: torch.nn.Linear, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``grad @ weight``, as a linear layer whose weight is the transpose, laid out once."""
-    grad = grad.to(dtype)
-    state = _copies(linear, dtype)
-    if "bwd" not in state:  # its forward ran without a gradient first
-        state["bwd"] = _linear_input_grad_copy(_dense(linear), dtype, grad)
-    return _linear_pointwise(grad, state["bwd"], None)
+    return _linear_pointwise(grad.to(dtype), _copies(linear, dtype)["bwd"], None)
 
 
 def _packed_linear_call(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _plain_here(linear):
         return type(linear).forward(linear, x)
     dtype = _compute_dtype(linear)
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _PackedLinearFn.apply(x, linear, dtype)
-    return _linear_forward(linear, x, dtype)
+    backward = torch.is_grad_enabled() and x.requires_grad
+    if _SHAPES_ONLY is not None:
+        return _shape_only(linear, x, backward, (*x.shape[:-1], linear.out_features), dtype)
+    return _PackedLinearFn.apply(x, linear, dtype) if backward else _linear_forward(linear, x, dtype)
+
+
+def _shape_only(
+    layer: torch.nn.Module, x: torch.Tensor, backward: bool, shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """In :func:`lay_out`'s pass: note the call, and give an output of the right shape and dtype."""
+    _SHAPES_ONLY.append((layer, x.shape, backward, dtype))
+    return x.new_empty(shape, dtype=dtype).requires_grad_(backward)
+
+
+def lay_out(forward: Callable[[], object]) -> int:
+    """Make now every copy the packed layers reached by ``forward`` would make on first use.
+
+    ``forward`` (a training step's forward, up to its loss) runs once on fake tensors
+    (``FakeTensorMode``: shapes and dtypes only, no arithmetic and no memory), and each packed layer it
+    reaches notes the shape of its input, whether a gradient will flow back through it and the
+    dtype it computes in. The copies are then made in that order, as the first step would make them:
+    the same layouts, so the same results bit for bit. The first step then runs at the pace of the
+    ones after it, and start-up takes what it took (``docs/performance.md``, the first step).
+    Returns how many layers were laid out; 0 if ``forward`` cannot run on fake tensors (said in
+    the log): the copies are then made on first use.
+    """
+    global _SHAPES_ONLY
+    _SHAPES_ONLY = reached = []
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            forward()
+    except RuntimeError as error:  # an op without a fake kernel, or one whose shape depends on values
+        logger.info(f"weights laid out on first use instead of at start-up: {str(error).splitlines()[0]}")
+        return 0
+    finally:
+        _SHAPES_ONLY = None
+    for layer, shape, backward, dtype in reached:
+        if isinstance(layer, torch.nn.Conv2d):
+            _conv_copies(layer, shape, backward)
+        else:
+            _linear_copies(layer, dtype, shape.numel() // shape[-1], backward)
+    return len({id(layer) for layer, *_ in reached})
 
 
 def packable_linear(linear: torch.nn.Module) -> bool:

@@ -276,10 +276,9 @@ class StepParts(Update):
 def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, step: int) -> float:
     """One textual-inversion optimisation step: each micro-batch's loss and backward, then :func:`apply_update`.
 
-    For each micro-batch: its latents, noise and timesteps drawn from generators keyed by
-    (seed, epoch, dataset index), the diffusion loss under ``parts.autocast``, and
-    ``parts.backward``. With several processes the learned rows' gradient is then averaged by one
-    synchronous all-reduce of ``num_vectors x hidden`` floats (the frozen matrix has no gradient).
+    For each micro-batch: its loss (:func:`micro_batch_forward`) and ``parts.backward``. With several
+    processes the learned rows' gradient is then averaged by one synchronous all-reduce of
+    ``num_vectors x hidden`` floats (the frozen matrix has no gradient).
 
     Args:
         parts: the modules, rows, optimizer and latents.
@@ -298,19 +297,35 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
         raise ValueError("training_step needs at least one micro-batch")
     losses = []
     for batch in micro_batches:
-        latents, noise, timesteps = draw_batch(
-            parts.latent_mean,
-            parts.latent_std,
-            batch["index"],
-            batch["view_index"],
-            parts.noise_scheduler.config.num_train_timesteps,
-            parts.seed,
-            epoch,
-        )
-        encoders, input_ids, sizes = parts.loss_inputs(batch)
+        loss = micro_batch_forward(parts, batch, epoch)()
+        parts.backward(loss)
+        losses.append(loss.detach().item())
+    apply_update(parts, parts.all_vectors, losses, step)
+    return sum(losses) / len(losses)
+
+
+def micro_batch_forward(parts: StepParts, batch: dict, epoch: int) -> Callable[[], torch.Tensor]:
+    """One micro-batch's inputs, and its forward from them to its loss, to be called.
+
+    The inputs: its latents, noise and timesteps drawn from generators keyed by (seed, epoch,
+    dataset index), its token ids and sizes. The forward: the diffusion loss under ``parts.autocast``
+    (what the loop also runs once on fake tensors, to lay the weights out: :func:`helpers.training.engine.prepack.lay_out`).
+    """
+    latents, noise, timesteps = draw_batch(
+        parts.latent_mean,
+        parts.latent_std,
+        batch["index"],
+        batch["view_index"],
+        parts.noise_scheduler.config.num_train_timesteps,
+        parts.seed,
+        epoch,
+    )
+    encoders, input_ids, sizes = parts.loss_inputs(batch)
+
+    def forward() -> torch.Tensor:
         with parts.autocast():
             scaled = latents * parts.scaling_factor
-            loss = families.diffusion_loss(
+            return families.diffusion_loss(
                 parts.family,
                 parts.unet,
                 encoders,
@@ -321,10 +336,8 @@ def training_step(parts: StepParts, micro_batches: Sequence[dict], epoch: int, s
                 timesteps,
                 sizes,
             )
-        parts.backward(loss)
-        losses.append(loss.detach().item())
-    apply_update(parts, parts.all_vectors, losses, step)
-    return sum(losses) / len(losses)
+
+    return forward
 
 
 def apply_update(
