@@ -346,17 +346,20 @@ def lay_out(forward: Callable[[], object]) -> int:
     reaches notes the shape of its input, whether a gradient will flow back through it and the
     dtype it computes in. The copies are then made in that order, as the first step would make them:
     the same layouts, so the same results bit for bit. The first step then runs at the pace of the
-    ones after it, and start-up takes what it took (``docs/performance.md``, the first step).
-    Returns how many layers were laid out; 0 if ``forward`` cannot run on fake tensors (said in
-    the log): the copies are then made on first use.
+    ones after it, and start-up takes the copies' time instead (``docs/performance.md``, the first step).
+    Returns how many layers were laid out; 0 if ``forward`` fails on fake tensors (said in the log):
+    the copies are then made on first use.
     """
     global _SHAPES_ONLY
     _SHAPES_ONLY = reached = []
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             forward()
-    except RuntimeError as error:  # an op without a fake kernel, or one whose shape depends on values
-        logger.info(f"weights laid out on first use instead of at start-up: {str(error).splitlines()[0]}")
+    # Typically an op without a fake kernel, or code reading a value. Whatever it is, the real
+    # first step runs the same forward: a fault of the forward itself is raised there, not hidden.
+    except Exception as error:
+        said = next(iter(str(error).splitlines()), "")
+        logger.info(f"weights laid out on first use instead of at start-up: {type(error).__name__}: {said}")
         return 0
     finally:
         _SHAPES_ONLY = None
