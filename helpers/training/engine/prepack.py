@@ -20,9 +20,9 @@ sum set the training peak when the weight was freed only after the first backwar
 measured since: bench/results/xeon-amx/train_step-sd15-shape-256px.json). ``state_dict()``
 still gives the dense weight (rebuilt from the forward's copy, bit for bit), :func:`restore`,
 :func:`unpack` and :func:`plain` give it back, a deep copy gets its own, and a layer cast to
-another dtype gets it back before new copies are made. The strided downsamplers keep theirs (their
-input gradient takes PyTorch's path), and so do a convolution packed for the forward only and a
-linear layer whose copies are in a narrower dtype than its weight.
+another dtype gets it back before new copies are made. A convolution packed for the forward only
+keeps its dense weight (PyTorch's input gradient needs it), and so does a linear layer whose copies
+are in a narrower dtype than its weight.
 
 With a laid-out weight, oneDNN's op takes and returns channels-last activations (it copies any
 other input into that layout). So the packed UNet's activations, and the gradients flowing back
@@ -198,9 +198,9 @@ def _conv_copies(
             1,
             list(input_shape),
         )
-    if backward and _packs_input_grad(conv) and "bwd" not in state:
-        _input_grad_copy(conv, state, _dense(conv), _output_shape(conv, input_shape))
-    if made and _packs_input_grad(conv):  # else PyTorch's input gradient needs the dense weight
+    if backward and conv._pack_backward and "bwd" not in state:
+        _input_grad_copy(conv, state, _dense(conv), input_shape)
+    if made and conv._pack_backward:  # else PyTorch's input gradient needs the dense weight
         _release(conv, state)
     return state
 
@@ -211,31 +211,40 @@ def _output_shape(conv: torch.nn.Conv2d, input_shape: Sequence[int]) -> list[int
     return [n, conv.out_channels, *((s + 2 * p - k) // step + 1 for s, p, k, step in edges)]
 
 
-def _packs_input_grad(conv: torch.nn.Conv2d) -> bool:
-    return conv._pack_backward and conv.stride == (1, 1)  # strided (the 3 downsamplers): PyTorch's path
+def _transposed(conv: torch.nn.Conv2d, input_shape: Sequence[int]) -> tuple:
+    """Padding, output padding, stride, dilation and groups of the transposed convolution that
+    computes ``conv``'s input gradient; the output padding gives back the rows a strided
+    convolution's last window skipped."""
+    edges = zip(input_shape[2:], conv.padding, conv.kernel_size, conv.stride, strict=True)
+    skipped = [(s + 2 * p - k) % step for s, p, k, step in edges]
+    return list(conv.padding), skipped, list(conv.stride), [1, 1], 1
 
 
-def _input_grad_copy(conv: torch.nn.Conv2d, state: dict, dense: torch.Tensor, grad_shape: list[int]) -> None:
-    """Lay out the weight for the transposed convolution that computes the input gradient (stride
-    1). oneDNN reads the dense weight as it is, in one pass: flipping and transposing it in PyTorch
-    first, to compute the gradient as a plain convolution, took twice as long (the first step
-    makes every copy)."""
+def _input_grad_copy(
+    conv: torch.nn.Conv2d, state: dict, dense: torch.Tensor, input_shape: Sequence[int]
+) -> None:
+    """Lay out the weight for the transposed convolution that computes the input gradient. oneDNN
+    reads the dense weight as it is, in one pass: flipping and transposing it in PyTorch first, to
+    compute the gradient as a plain convolution, took twice as long (the first step makes every
+    copy)."""
     state["bwd"] = torch.ops.mkldnn._reorder_convolution_transpose_weight(
-        dense.contiguous(), list(conv.padding), [0, 0], [1, 1], [1, 1], 1, grad_shape
+        dense.contiguous(), *_transposed(conv, input_shape), _output_shape(conv, input_shape)
     )
 
 
 def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Size) -> torch.Tensor:
     grad = grad.to(conv.weight.dtype)
-    if not _packs_input_grad(conv):
+    if not conv._pack_backward:
         return torch.nn.grad.conv2d_input(
             input_shape, conv.weight, grad.contiguous(), conv.stride, conv.padding
         )
     # A packed convolution works on channels-last activations (see the module's docstring); the
     # gradients arriving here mostly are, and a plain .contiguous() would copy them there and back.
+    # The strided ones (the downsamplers) too: PyTorch's own input gradient of SD's 1280-channel one
+    # took 7x the time of this transposed convolution, for the same values.
     grad = grad.contiguous(memory_format=torch.channels_last)
     return torch.ops.mkldnn._convolution_transpose_pointwise(
-        grad, _copies(conv)["bwd"], None, list(conv.padding), [0, 0], [1, 1], [1, 1], 1, "none", [], ""
+        grad, _copies(conv)["bwd"], None, *_transposed(conv, input_shape), "none", [], ""
     )
 
 
@@ -504,7 +513,7 @@ def _linear_bytes(linear: torch.nn.Linear, backward: bool, dtype: torch.dtype | 
 def copy_bytes(module: torch.nn.Module) -> int:
     """Bytes the copies :func:`pack_conv` makes for ``module``'s packable convolutions add to memory:
     one weight's worth per convolution, with or without a backward (two copies less the dense weight
-    they free; the forward's copy alone for the strided ones, or without a backward)."""
+    they free; the forward's copy alone without a backward)."""
     return sum(_conv_bytes(conv) for conv in module.modules() if packable(conv))
 
 
