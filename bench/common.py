@@ -495,14 +495,12 @@ class OursStep:
     def active(self) -> Iterator[None]:
         """Route the token embedding through the learned rows (the frozen matrix gets no gradient),
         with the UNet's convolutions and both models' linear layers prepacked as the engine has them
-        by default (``prepack_convs``, ``prepack_linears``: linear layers where
-        :func:`~helpers.training.engine.prepack.linears_pay`) and its attention processor. On exit the models are
+        (``prepack_convs``, ``prepack_linears``) and its attention processor. On exit the models are
         plain again (the reference shares them); the packed copies are kept for next time."""
         parts = self.setup.parts
         self.hook = ti.EmbeddingHook(parts.text_encoder, self.learned)
         modules = [*parts.unet.modules(), *parts.text_encoder.modules()]
-        linears = prepack.linears_pay(next(parts.unet.parameters()).dtype)
-        packed = [m for m in modules if prepack.pack_conv(m) or (linears and prepack.pack_linear(m))]
+        packed = [m for m in modules if prepack.pack_conv(m) or prepack.pack_linear(m)]
         processors = parts.unet.attn_processors
         if processor := attention.processor_for(cpu.compute_dtype(self.setup.mixed_precision)):
             parts.unet.set_attn_processor(processor)

@@ -187,8 +187,7 @@ class TrainConfig(Settings):
         None,
         "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of "
         "in every call: faster steps for one more weight's worth of memory. Default: below 512 px, as "
-        "far as the copies fit in memory, and not in bf16 on a CPU without AMX (they buy nothing there); "
-        "--prepack_linears: always (one line and exit 2 where memory is short); "
+        "far as the copies fit in memory; --prepack_linears: always (one line and exit 2 where memory is short); "
         "--no-prepack_linears: off",
     )
     use_ipex: bool = setting(

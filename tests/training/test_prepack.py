@@ -479,16 +479,17 @@ def test_a_forward_that_cannot_run_on_fake_tensors_leaves_the_copies_to_the_firs
 
 
 def test_a_run_prepacks_by_default_records_it_and_can_turn_it_off(tmp_path):
-    def run(name, **flags):  # fp32: linear layers are laid out on every CPU (in bf16 only with AMX)
-        return ti.train(tiny_config(tmp_path, name, max_train_steps=2, mixed_precision="no", **flags))
-
-    packed, plain = run("packed"), run("plain", prepack_convs=False, prepack_linears=False)
-    convs_only = run("convs", prepack_linears=False)
+    packed = ti.train(tiny_config(tmp_path, "packed", max_train_steps=2))
+    plain = ti.train(
+        tiny_config(tmp_path, "plain", max_train_steps=2, prepack_convs=False, prepack_linears=False)
+    )
+    convs_only = ti.train(tiny_config(tmp_path, "convs", max_train_steps=2, prepack_linears=False))
     record = packed.summary["startup"]["prepacked_convs"]
     assert record["reason"] is None and record["convolutions"] > 0 and record["linears"] > 0
-    parts = models.load_components(models.TINY, load_vae=False)
+    dtype = cpu.compute_dtype(cpu.choose_precision(tiny_config(tmp_path).mixed_precision).mixed_precision)
+    parts = models.load_components(models.TINY, load_vae=False, unet_dtype=dtype)
     unet, text_encoder = parts.unet.requires_grad_(False), parts.text_encoder.requires_grad_(False)
-    linears = prepack.linear_copy_bytes(unet) + prepack.linear_copy_bytes(text_encoder)
+    linears = prepack.linear_copy_bytes(unet) + prepack.linear_copy_bytes(text_encoder, dtype=dtype)
     assert record["bytes"] == prepack.copy_bytes(unet) + linears
     assert (convs_only.summary["startup"]["prepacked_convs"]["linears"]) == 0
     assert "prepacked_convs" not in plain.summary["startup"]

@@ -526,14 +526,6 @@ def linear_copy_bytes(
     return sum(_linear_bytes(m, backward, dtype) for m in module.modules() if packable_linear(m))
 
 
-def linears_pay(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
-    """Whether laying out linear weights pays for a UNet in ``dtype``: not in bf16 on a CPU without
-    AMX, whose oneDNN bf16 matmul takes the plain weight as it is (the options table of
-    ``docs/performance.md``: 0.96-0.99x on the AVX-512 EPYC, for about 1 GiB on SD v1.5); AMX computes
-    on a layout of its own, which the copies make once (1.04x there)."""
-    return dtype != torch.bfloat16 or "amx_bf16" in (cpu.cpu_flags() if flags is None else flags)
-
-
 def pack_unet(
     unet: torch.nn.Module,
     available_bytes: int | None = None,

@@ -222,11 +222,6 @@ def _prepack(config: TrainConfig, unet, text_encoders) -> dict:
     convs, linears = (prepacks(f, config.resolution) for f in (config.prepack_convs, config.prepack_linears))
     if config.use_ipex:
         return {}  # IPEX lays weights out its own way
-    if linears and config.prepack_linears is None and not prepack.linears_pay(next(unet.parameters()).dtype):
-        linears = False
-        logger.info(
-            "linear weights not laid out: in bf16 without AMX they buy nothing", main_process_only=True
-        )
     if not (convs or linears):
         if config.prepack_convs is None and config.prepack_linears is None:
             why = f"not at {config.resolution} px (it pays below {PREPACK_DEFAULT_BELOW_RESOLUTION} px)"

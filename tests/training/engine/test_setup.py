@@ -9,9 +9,8 @@ import torch
 from tiny_parts import tiny_config
 from transformers import CLIPTokenizer
 
-from helpers.core import cpu
 from helpers.training import models
-from helpers.training.engine import prepack, setup
+from helpers.training.engine import setup
 
 
 @pytest.fixture(scope="module")
@@ -80,24 +79,6 @@ def test_training_steps_count_optimizer_steps_per_process():
     assert setup.training_steps(config(), num_batches=9, num_processes=2) == (3, 9)
     config.max_train_steps = 4
     assert setup.training_steps(config(), num_batches=9, num_processes=2) == (3, 4)
-
-
-def test_linear_weights_are_not_laid_out_by_default_in_bf16_without_amx(tmp_path, tiny_dir, monkeypatch):
-    """AVX512-BF16 without AMX: oneDNN's bf16 matmul takes plain weights as they are, so linear copies
-    would cost memory for nothing (measured: docs/performance.md); AMX computes on its own layout."""
-    from accelerate import PartialState
-
-    PartialState()
-    avx512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
-    amx = avx512 | {"amx_bf16", "amx_tile"}
-    assert prepack.linears_pay(torch.float32, avx512) and prepack.linears_pay(torch.bfloat16, amx)
-    assert not prepack.linears_pay(torch.bfloat16, avx512)
-    for flags, asked, linears in [(avx512, None, False), (avx512, True, True), (amx, None, True)]:
-        monkeypatch.setattr(cpu, "cpu_flags", lambda flags=flags: flags)
-        unet = models.load_components(tiny_dir, load_vae=False, unet_dtype=torch.bfloat16).unet
-        config = tiny_config(tmp_path, resolution=64, prepack_linears=asked)
-        packed = setup._prepack(config, unet.requires_grad_(False), [])["prepacked_convs"]
-        assert packed["convolutions"] > 0 and (packed["linears"] > 0) == linears
 
 
 def test_weights_are_laid_out_once_by_default_below_512_px_only(tmp_path, tiny_dir):
