@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -28,6 +29,13 @@ echo "$host" >> "$(dirname "$0")/ssh_hosts.log"
 export TMPDIR="$(dirname "$0")/tmp-$host"; mkdir -p "$TMPDIR"
 FAKE_HOST=$host exec sh -c "$*"
 """
+
+
+def pytest_configure(config):
+    """A TERM (CI's timeout, a kill) ends the session as Ctrl-C does, through the fixtures' teardown:
+    the JupyterLab server and the browser that the notebook tests start in sessions of their own
+    end with it instead of outliving it."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
