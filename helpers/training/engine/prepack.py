@@ -199,7 +199,11 @@ def _conv_copies(
             list(input_shape),
         )
     if backward and conv._pack_backward and "bwd" not in state:
-        _input_grad_copy(conv, state, _dense(conv), input_shape)
+        # laid out for the transposed convolution that is the input gradient: oneDNN reads the dense
+        # weight as it is, in one pass (flipped and transposed in PyTorch first, it took twice as long)
+        state["bwd"] = torch.ops.mkldnn._reorder_convolution_transpose_weight(
+            _dense(conv).contiguous(), *_transposed(conv, input_shape), _output_shape(conv, input_shape)
+        )
     if made and conv._pack_backward:  # else PyTorch's input gradient needs the dense weight
         _release(conv, state)
     return state
@@ -218,18 +222,6 @@ def _transposed(conv: torch.nn.Conv2d, input_shape: Sequence[int]) -> tuple:
     edges = zip(input_shape[2:], conv.padding, conv.kernel_size, conv.stride, strict=True)
     skipped = [(s + 2 * p - k) % step for s, p, k, step in edges]
     return list(conv.padding), skipped, list(conv.stride), [1, 1], 1
-
-
-def _input_grad_copy(
-    conv: torch.nn.Conv2d, state: dict, dense: torch.Tensor, input_shape: Sequence[int]
-) -> None:
-    """Lay out the weight for the transposed convolution that computes the input gradient. oneDNN
-    reads the dense weight as it is, in one pass: flipping and transposing it in PyTorch first, to
-    compute the gradient as a plain convolution, took twice as long (the first step makes every
-    copy)."""
-    state["bwd"] = torch.ops.mkldnn._reorder_convolution_transpose_weight(
-        dense.contiguous(), *_transposed(conv, input_shape), _output_shape(conv, input_shape)
-    )
 
 
 def _input_grad(conv: torch.nn.Conv2d, grad: torch.Tensor, input_shape: torch.Size) -> torch.Tensor:
