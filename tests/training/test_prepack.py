@@ -348,6 +348,38 @@ def test_a_linear_layer_under_bf16_autocast_computes_in_bf16_and_returns_fp32_gr
         torch.testing.assert_close(linear(x32), torch.nn.functional.linear(x32, weight, linear.bias))
 
 
+@pytest.mark.skipif(
+    cpu._glibc() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="madvise through glibc, and bf16 arithmetic",
+)
+def test_an_fp32_text_encoder_under_bf16_hands_back_its_weights_pages_and_keeps_them_for_saving(tmp_path):
+    """Under bf16 autocast a packed fp32 layer computes on bf16 copies and keeps its wider weight
+    for ``state_dict()`` (the saved pipeline) alone: the weight's pages mapped from the model's file
+    go back (SD v1.5's text encoder under bf16: 340 MB), and read again they are the file's."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(
+        vocab_size=99, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4
+    )
+    CLIPTextModel(config).save_pretrained(tmp_path)
+    encoder = CLIPTextModel.from_pretrained(tmp_path).requires_grad_(False)  # views into the file's mapping
+    encoder.get_input_embeddings().requires_grad_(True)  # what TI trains; the linear layers stay frozen
+    (path,) = tmp_path.glob("*.safetensors")
+    saved = {k: v.clone() for k, v in encoder.state_dict().items()}  # every page read, so resident
+    resident = mapped_rss(path)
+    linears = [m for m in encoder.modules() if prepack.pack_linear(m)]
+    assert len(linears) == 12
+    ids = torch.randint(0, 99, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = encoder(ids).last_hidden_state
+    out.float().sum().backward()
+    assert all(set(prepack._copies(m, torch.bfloat16)) == {"fwd", "bias", "bwd"} for m in linears)
+    weights = sum(m.weight.numel() * 4 for m in linears)  # 12 x 64 to 512 KiB, fp32 and kept
+    assert all(m.weight.dtype == torch.float32 and m.weight.numel() > 0 for m in linears)
+    assert resident - mapped_rss(path) >= 0.95 * weights
+    assert all(torch.equal(v, saved[k]) for k, v in encoder.state_dict().items())  # from the file again
+
+
 def test_only_frozen_linear_layers_are_packed_and_plain_restores_them():
     trainable = torch.nn.Linear(4, 4)
     trainable_bias = torch.nn.Linear(4, 4).requires_grad_(False)

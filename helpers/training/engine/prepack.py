@@ -22,7 +22,8 @@ still gives the dense weight (rebuilt from the forward's copy, bit for bit), :fu
 :func:`unpack` and :func:`plain` give it back, a deep copy gets its own, and a layer cast to
 another dtype gets it back before new copies are made. A convolution packed for the forward only
 keeps its dense weight (PyTorch's input gradient needs it), and so does a linear layer whose copies
-are in a narrower dtype than its weight.
+are in a narrower dtype than its weight (an fp32 text encoder under bf16); unread until
+``state_dict()``, that weight's pages mapped from the model's file go back to it meanwhile.
 
 With a laid-out weight, oneDNN's op takes and returns channels-last activations (it copies any
 other input into that layout). So the packed UNet's activations, and the gradients flowing back
@@ -299,10 +300,14 @@ def _linear_copies(linear: torch.nn.Linear, dtype: torch.dtype, rows: int, backw
         state["bias"] = None if linear.bias is None else linear.bias.detach().to(dtype)
         if backward:
             state["bwd"] = _linear_input_grad_copy(linear.weight.detach(), dtype, rows)
-        if linear.weight.dtype == dtype:  # else the dense weight holds more than the copies
-            _release(linear, state)
     elif backward and "bwd" not in state:
         state["bwd"] = _linear_input_grad_copy(_dense(linear), dtype, rows)
+    else:
+        return state
+    if linear.weight.dtype == dtype:
+        _release(linear, state)
+    else:  # a wider weight is kept, for state_dict() alone: until then its file's pages go back
+        cpu.drop_module_file_pages(linear)
     return state
 
 
