@@ -52,7 +52,7 @@ EPYC = "AMD EPYC (AVX-512, AVX512-BF16)"
 XEON_AMX = "Intel Xeon (AMX, AVX512-BF16)"
 XEON_BF16 = "Intel Xeon (AVX512-BF16, no AMX)"
 MEASURED: tuple[StepTime, ...] = (
-    StepTime(EPYC, True, False, 2, 256, 1, "bf16", 1.26, 2.41, "bench/results/train_step-sd15-shape-256px-bf16.json"),
+    StepTime(EPYC, True, False, 2, 256, 1, "bf16", 1.42, 2.87, "bench/results/train_step-sd15-shape-256px-bf16.json"),
     StepTime(EPYC, True, False, 2, 256, 1, "no", 2.31, 4.45, "bench/results/train_step-sd15-shape-256px.json"),
     StepTime(XEON_AMX, True, True, 2, 256, 1, "bf16", 0.70, 1.62,
              "bench/results/xeon-amx/train_step-sd15-shape-256px-bf16.json"),

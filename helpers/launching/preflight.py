@@ -206,7 +206,7 @@ MEASURED_MEMORY: tuple[PeakMemory, ...] = (
     PeakMemory(256, "no", False, 5143.9, _XEON + "train_memory-sd15-shape-256px.json"),
     PeakMemory(512, "no", True, 9917.1, _XEON + "train_memory-sd15-shape-512px.json"),
     PeakMemory(512, "no", False, 6497.9, _XEON + "train_memory-sd15-shape-512px.json"),
-    PeakMemory(256, "bf16", True, 5887.7, "bench/results/train_step-sd15-shape-256px-bf16.json"),
+    PeakMemory(256, "bf16", True, 5495.4, "bench/results/train_step-sd15-shape-256px-bf16.json"),
     # SDXL: the whole command in bench.end_to_end on a Xeon with AVX512-BF16, its first run (the VAE
     # encodes the pictures) included.
     PeakMemory(512, "bf16", False, 17657.5,

@@ -59,7 +59,7 @@ def test_no_warning_where_the_measurement_does_not_apply(tmp_path, capsys, monke
 
 def test_memory_warning_counts_every_node_on_this_machine_and_says_when_none_fits():
     assert preflight.memory_warning(2, 256, "bf16", nodes_here=2, node_bytes=8 * GIB) == (
-        "warning: 4 processes on this machine × ~5.7 GiB each (bf16, 256 px) need 23.0 GiB; this node has "
+        "warning: 4 processes on this machine × ~5.4 GiB each (bf16, 256 px) need 21.5 GiB; this node has "
         "8.0 GiB — expect swapping or an out-of-memory kill; not even one process per node fits: use a node "
         "with more memory"
     )
