@@ -276,7 +276,9 @@ def copy_file_uncached(src: str | os.PathLike, dst: str | os.PathLike, chunk: in
     from the run: on a 2-vCPU VM, copying 3.4 GB took seconds of system time and
     slowed the step it overlapped by a few seconds. Here the file is written with ``O_DIRECT``
     straight from a read-only mapping of ``src`` (whose pages the run has usually loaded already):
-    the disk reads them itself, a small fraction of that system time for the same copy. The last
+    the disk reads them itself, a small fraction of that system time for the same copy. Each chunk
+    leaves the mapping once written, so the process holds one chunk of ``src``, not the whole file
+    (the guides' command held SD v1.5's 3.4 GB UNet file, its peak RSS at that moment). The last
     partial block is written normally.
 
     Where ``O_DIRECT`` is refused (tmpfs, some network filesystems, a platform without it), the
@@ -310,7 +312,9 @@ def _copy_direct(src: Path, dst: Path, size: int, chunk: int) -> bool:
                 while done < aligned:
                     with view[done : min(done + chunk, aligned)] as piece:  # released even on an error
                         written = os.write(fd, piece)
+                    start = done - done % mmap.PAGESIZE
                     done += written
+                    mapped.madvise(mmap.MADV_DONTNEED, start, done - start)  # read: out of our RSS
             except OSError as err:
                 if err.errno != errno.EINVAL or done:
                     raise

@@ -482,6 +482,27 @@ def test_copy_file_uncached_leaves_the_copy_out_of_the_page_cache(tmp_path, umas
     assert mode(tmp_path / "dst") == file_mode  # as open() would have made it
 
 
+def test_copy_file_uncached_holds_one_chunk_of_the_source_at_a_time(tmp_path, monkeypatch):
+    """A run copies SD v1.5's 3.4 GB UNet file beside its steps: the file's pages leave the
+    process's mapping chunk by chunk (before, every page read stayed resident until the end)."""
+    if not direct_io_here(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    from tiny_parts import mapped_rss
+
+    chunk, real_write, resident = 2 << 20, os.write, []  # a chunk as large as a huge folio
+    data = random_file(tmp_path / "src", 16 * chunk)
+
+    def write(fd, piece):
+        written = real_write(fd, piece)
+        resident.append(mapped_rss(tmp_path / "src"))  # the chunk just written is still mapped
+        return written
+
+    monkeypatch.setattr(os, "write", write)
+    assert files.copy_file_uncached(tmp_path / "src", tmp_path / "dst", chunk=chunk)
+    assert len(resident) == 16 and 0 < max(resident) <= 2 * chunk  # without dropping: up to 16
+    assert (tmp_path / "dst").read_bytes() == data
+
+
 @pytest.mark.parametrize("refused_at", ["open", "write"])
 def test_a_filesystem_that_refuses_o_direct_gets_a_normal_copy(tmp_path, monkeypatch, refused_at):
     data = random_file(tmp_path / "src", 3 * 4096 + 5)
