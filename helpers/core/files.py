@@ -314,7 +314,8 @@ def _copy_direct(src: Path, dst: Path, size: int, chunk: int) -> bool:
                         written = os.write(fd, piece)
                     start = done - done % mmap.PAGESIZE
                     done += written
-                    mapped.madvise(mmap.MADV_DONTNEED, start, done - start)  # read: out of our RSS
+                    with contextlib.suppress(OSError):  # a hint (refused for locked pages)
+                        mapped.madvise(mmap.MADV_DONTNEED, start, done - start)  # read: out of our RSS
             except OSError as err:
                 if err.errno != errno.EINVAL or done:
                     raise
