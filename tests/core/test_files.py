@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from tiny_parts import mapped_rss
 
 from helpers.core import files
 from helpers.core.files import (
@@ -487,8 +488,6 @@ def test_copy_file_uncached_holds_one_chunk_of_the_source_at_a_time(tmp_path, mo
     process's mapping chunk by chunk (before, every page read stayed resident until the end)."""
     if not direct_io_here(tmp_path):
         pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
-    from tiny_parts import mapped_rss
-
     chunk, real_write, resident = 2 << 20, os.write, []  # a chunk as large as a huge folio
     data = random_file(tmp_path / "src", 16 * chunk)
 

@@ -374,7 +374,7 @@ def test_an_fp32_text_encoder_under_bf16_hands_back_its_weights_pages_and_keeps_
         out = encoder(ids).last_hidden_state
     out.float().sum().backward()
     assert all(set(prepack._copies(m, torch.bfloat16)) == {"fwd", "bias", "bwd"} for m in linears)
-    weights = sum(m.weight.numel() * 4 for m in linears)  # 12 x 64 to 512 KiB, fp32 and kept
+    weights = sum(m.weight.numel() * 4 for m in linears)  # 12 layers of 256 to 512 KiB, fp32 and kept
     assert all(m.weight.dtype == torch.float32 and m.weight.numel() > 0 for m in linears)
     assert resident - mapped_rss(path) >= 0.95 * weights
     assert all(torch.equal(v, saved[k]) for k, v in encoder.state_dict().items())  # from the file again
