@@ -17,7 +17,7 @@ import os
 import platform
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -252,12 +252,13 @@ def available_memory(file_bytes: int = 0, status: str | os.PathLike = "/proc/sel
     return max(0, psutil.virtual_memory().available - held)
 
 
-def file_backed_bytes(modules: Iterable[torch.nn.Module]) -> int:
+def file_backed_bytes(modules: Iterable[torch.nn.Module], mapped: list[tuple[int, int]] | None = None) -> int:
     """Bytes of the ``modules``' parameters and buffers that are views into a file mapping
-    (safetensors weights as diffusers and transformers load them), resident or not. Not Linux: 0."""
+    (safetensors weights as diffusers and transformers load them), resident or not; ``mapped``:
+    :func:`file_mappings`, read once for many calls. Not Linux: 0."""
     if platform.system() != "Linux":
         return 0
-    mapped = _file_mappings()
+    mapped = file_mappings() if mapped is None else mapped
     seen, total = set(), 0
     for tensor in (t for m in modules for t in (*m.parameters(), *m.buffers())):
         start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -320,10 +321,10 @@ def _glibc():
 _MADV_DONTNEED = 4  # sys/mman.h
 
 
-def _file_mappings() -> list[tuple[int, int]]:
+def file_mappings() -> list[tuple[int, int]]:
     """The address ranges this process has mapped from files (``/proc/self/maps``)."""
     ranges = []
-    with open("/proc/self/maps") as maps:
+    with suppress(OSError), open("/proc/self/maps") as maps:  # not Linux: none
         for line in maps:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
@@ -333,7 +334,7 @@ def _file_mappings() -> list[tuple[int, int]]:
 
 
 def _inside(start: int, end: int, ranges: list[tuple[int, int]]) -> bool:
-    """Whether the addresses ``[start, end)`` lie inside one of ``ranges`` (:func:`_file_mappings`)."""
+    """Whether the addresses ``[start, end)`` lie inside one of ``ranges`` (:func:`file_mappings`)."""
     return any(a <= start and end <= b for a, b in ranges)
 
 
@@ -356,7 +357,7 @@ def drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]] | None =
 
     Only the whole pages inside the tensor, and only when no other tensor shares its storage (pass
     the tensor itself, e.g. a module's ``Parameter``, not a ``.data`` or ``.detach()`` of it): they
-    hold nothing but its bytes, which nobody reads again. With ``mapped`` (:func:`_file_mappings`),
+    hold nothing but its bytes, which nobody reads again. With ``mapped`` (:func:`file_mappings`),
     only pages inside a file mapping, which read again come back from the file: a tensor that is
     kept stays valid (:func:`drop_module_file_pages`). Not Linux with glibc: nothing.
     """
@@ -383,7 +384,7 @@ def drop_module_file_pages(module: torch.nn.Module) -> int:
     Weights in anonymous memory (cast, or built in memory) are left alone."""
     if _glibc() is None:
         return 0
-    mapped = _file_mappings()
+    mapped = file_mappings()
     return sum(drop_file_pages(t, mapped) for t in [*module.parameters(), *module.buffers()])
 
 

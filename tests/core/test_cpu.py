@@ -274,9 +274,9 @@ def test_drop_file_pages_hands_back_a_loaded_weight_unless_another_tensor_shares
     assert size - 2 * page <= dropped <= size
     assert resident - mapped_rss(path) >= dropped - page  # no longer resident
     assert float(weight.sum()) == total  # read again, from the file
-    assert cpu.drop_file_pages(weight, cpu._file_mappings()) == dropped  # it lies in the file's mapping
+    assert cpu.drop_file_pages(weight, cpu.file_mappings()) == dropped  # it lies in the file's mapping
     doomed = torch.ones(4 * page)  # anonymous memory, about to be dropped: handed back too
-    assert cpu.drop_file_pages(doomed, cpu._file_mappings()) == 0  # unless only file pages are asked for
+    assert cpu.drop_file_pages(doomed, cpu.file_mappings()) == 0  # unless only file pages are asked for
     assert cpu.drop_file_pages(doomed) >= 15 * page  # 16 pages of floats, less a partial one at each end
 
 

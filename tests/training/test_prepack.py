@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import platform
 import types
 
 import pytest
@@ -380,6 +381,42 @@ def test_an_fp32_text_encoder_under_bf16_hands_back_its_weights_pages_and_keeps_
     assert all(torch.equal(v, saved[k]) for k, v in encoder.state_dict().items())  # from the file again
 
 
+@pytest.mark.skipif(
+    platform.system() != "Linux" or not cpu.can_lay_out_bf16_weights(),
+    reason="file mappings from /proc/self/maps, and bf16 weights laid out",
+)
+def test_a_file_backed_fp32_text_encoder_under_a_bf16_unet_costs_the_budget_its_copies_less_its_pages(
+    tmp_path, monkeypatch
+):
+    """Its wider weights' pages go back once their bf16 copies exist (test above), so two bf16
+    copies (4 bytes a weight) less the fp32 file pages (4 bytes) take nothing from the budget once
+    made: room for the UNet's copy and for one layer's copies while they are made packs every layer.
+    A weight cast into memory has no pages to give back and costs its copies whole."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(
+        vocab_size=99, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4
+    )
+    CLIPTextModel(config).save_pretrained(tmp_path)
+    encoder = CLIPTextModel.from_pretrained(tmp_path).requires_grad_(False)  # views into the file's mapping
+    unet = torch.nn.Sequential(torch.nn.Linear(64, 64)).requires_grad_(False).to(torch.bfloat16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    largest = 2 * 2 * 512 * 256  # the MLP layers' two bf16 copies while they are made
+    room = int((64 * 64 * 2 + largest + 100) / prepack.MEMORY_SHARE)
+    linears = [m for m in encoder.modules() if prepack.packable_linear(m)]
+    biases = sum(m.bias.numel() * 4 for m in linears)  # file pages too
+    packed = prepack.pack_unet(unet, room, convs=False, linears=True, text_encoders=[encoder])
+    assert (packed.linears, packed.reason) == (1 + 12, None)
+    assert packed.bytes == 64 * 64 * 2 - biases  # copies and pages even, weight by weight
+    for module in [*unet, *linears]:
+        prepack.unpack(module)
+    in_memory = CLIPTextModel(config).requires_grad_(False)  # built in memory: no file pages
+    packed = prepack.pack_unet(unet, room, convs=False, linears=True, text_encoders=[in_memory])
+    # beside the UNet's copy: the first attention's first two projections (256 KiB of copies each)
+    assert (packed.linears, packed.bytes) == (1 + 2, 64 * 64 * 2 + 2 * 2 * 2 * 256 * 256)
+    assert "linear weights in 3 of 13 layers only" in packed.reason
+
+
 def test_only_frozen_linear_layers_are_packed_and_plain_restores_them():
     trainable = torch.nn.Linear(4, 4)
     trainable_bias = torch.nn.Linear(4, 4).requires_grad_(False)
@@ -522,7 +559,10 @@ def test_a_run_prepacks_by_default_records_it_and_can_turn_it_off(tmp_path):
     parts = models.load_components(models.TINY, load_vae=False, unet_dtype=dtype)
     unet, text_encoder = parts.unet.requires_grad_(False), parts.text_encoder.requires_grad_(False)
     linears = prepack.linear_copy_bytes(unet) + prepack.linear_copy_bytes(text_encoder, dtype=dtype)
-    assert record["bytes"] == prepack.copy_bytes(unet) + linears
+    encoder_linears = [m for m in text_encoder.modules() if prepack.packable_linear(m)]
+    # under bf16 the fp32 encoder's weights give their pages mapped from the model's file back
+    given_back = cpu.file_backed_bytes(encoder_linears) if dtype == torch.bfloat16 else 0
+    assert record["bytes"] == prepack.copy_bytes(unet) + linears - given_back
     assert (convs_only.summary["startup"]["prepacked_convs"]["linears"]) == 0
     assert "prepacked_convs" not in plain.summary["startup"]
     # every packed layer was laid out before the first step; with nothing packed there is nothing to lay out

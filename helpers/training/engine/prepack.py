@@ -8,16 +8,14 @@ weight laid out for the transposed convolution that computes the input gradient)
 through ``mkldnn._convolution_pointwise`` and ``mkldnn._convolution_transpose_pointwise`` inside a
 small autograd function, so the gradient still reaches the placeholder rows.
 
-What it buys and costs on the SD v1.5 shape (``bench.optimisations --only prepacked_convs``): the
-options table of ``docs/performance.md``; both directions' copies together buy most of it.
+What it buys and costs: the options table of ``docs/performance.md`` (``bench.optimisations``).
 
 A layer's dense weight is freed as soon as its forward's copy exists (:func:`_release`; a weight
 loaded from a safetensors file is a view into the file's mapping, whose pages are handed back with
 :func:`helpers.core.cpu.drop_file_pages`, else they would stay resident beside the copies), and the
 input gradient's copy is made from the forward's: the copies add one weight's worth, not two, and
 the dense weights never sit beside the forward's copies and the first forward's activations (that
-sum set the training peak when the weight was freed only after the first backward; the peaks
-measured since: bench/results/xeon-amx/train_step-sd15-shape-256px.json). ``state_dict()``
+sum was the training peak when the weight was freed only after the first backward). ``state_dict()``
 still gives the dense weight (rebuilt from the forward's copy, bit for bit), :func:`restore`,
 :func:`unpack` and :func:`plain` give it back, a deep copy gets its own, and a layer cast to
 another dtype gets it back before new copies are made. A convolution packed for the forward only
@@ -43,14 +41,12 @@ levels of the UNet at 256 px). The forward's copy is the weight laid out by
 ``mkldnn._reorder_linear_weight``, the input gradient's is its transpose laid out the same way;
 both run through ``mkldnn._linear_pointwise`` (fp32 and bf16 alike: MKL's packed format would add
 several megabytes to every copy). The text encoder's linear layers are packed too; under autocast
-a packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype. What the
-whole step gains: ``docs/performance.md``.
+a packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype.
 
 The copies are made on first use, or before it by :func:`lay_out` (which the run loop calls before
 the first step, so that step runs at the pace of the others); either way a run pays for them once, and
-the steps pay them back (how soon: ``docs/performance.md``, the guides' command end to end).
-The copies cannot be kept on disk for the next run: they are oneDNN
-tensors, whose storage PyTorch cannot save (``torch.save`` raises).
+the steps pay them back (how soon: ``docs/performance.md``). They cannot be kept on disk for the
+next run: they are oneDNN tensors, whose storage PyTorch cannot save (``torch.save`` raises).
 """
 
 from __future__ import annotations
@@ -81,7 +77,6 @@ _RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # While lay_out runs a forward on fake tensors: each packed layer reached, with its input's shape,
 # whether a gradient flows back and the dtype it computes in (else None).
 _SHAPES_ONLY: list[tuple[torch.nn.Module, torch.Size, bool, torch.dtype]] | None = None
-
 
 logger = logging.getLogger(__name__)
 
@@ -501,10 +496,13 @@ def _conv_bytes(conv: torch.nn.Conv2d) -> int:
     return conv.weight.numel() * conv.weight.element_size()
 
 
-def _linear_bytes(linear: torch.nn.Linear, backward: bool, dtype: torch.dtype | None) -> int:
+def _linear_bytes(linear: torch.nn.Linear, backward: bool, dtype: torch.dtype | None, mapped=None) -> int:
     compute = dtype or linear.weight.dtype
-    copies = 2 if backward and compute != linear.weight.dtype else 1
-    return copies * linear.weight.numel() * compute.itemsize
+    if compute == linear.weight.dtype:  # one copy's worth: two less the dense weight, or one alone
+        return linear.weight.numel() * compute.itemsize
+    copies = (2 if backward else 1) * linear.weight.numel() * compute.itemsize
+    # a wider weight stays, its pages mapped from a file (cpu.file_mappings) go back (_linear_copies)
+    return copies - (0 if mapped is None else cpu.file_backed_bytes([linear], mapped))
 
 
 def copy_bytes(module: torch.nn.Module) -> int:
@@ -543,7 +541,8 @@ def pack_unet(
     layers are packed in the model's order as long as each one's copies still fit, and the rest run
     at PyTorch's speed (said in the result's ``reason``): the speed-up falls with the memory rather
     than vanishing. The text encoders compute in the UNet's dtype (fp32 text encoders under bf16
-    autocast beside a bf16 UNet), so their copies are made in it.
+    autocast beside a bf16 UNet), so their copies are made in it, and such a wider weight costs its
+    copies less its pages mapped from the model's file, which go back once the copies exist.
     ``backward=False`` (a UNet that only generates) keeps the forward's copies only, half the memory.
     A kind named in ``required`` (``"convs"``, ``"linears"``: its flag given explicitly) that does not
     fit whole is an :class:`~helpers.core.errors.InputError` naming the need and the free memory,
@@ -556,7 +555,7 @@ def pack_unet(
     share = MEMORY_SHARE * available_bytes / cpu.local_processes()
     kinds = []
     if convs:
-        layers = [(m, _conv_bytes(m)) for m in unet.modules() if packable(m)]
+        layers = [(m, _conv_bytes(m), _conv_bytes(m)) for m in unet.modules() if packable(m)]
         kinds.append(("convolution", "convs", layers, lambda m: pack_conv(m, backward=backward)))
     if next(unet.parameters()).dtype == torch.bfloat16 and not cpu.can_lay_out_bf16_weights():
         why = "bf16 weights not prepacked: this CPU cannot lay them out for oneDNN (no AVX512-BW/VL/DQ, no AVX-NE-CONVERT)"
@@ -565,13 +564,14 @@ def pack_unet(
             raise InputError(f"--prepack_{flag}: {why}; pass --no-prepack_{flag} or train in fp32")
         return PackResult(0, 0, why)
     if linears:
-        dtype = next(unet.parameters()).dtype
-        models = [unet, *text_encoders]
+        dtype, mapped = next(unet.parameters()).dtype, cpu.file_mappings()
+        found = [m for x in (unet, *text_encoders) for m in x.modules() if packable_linear(m)]
+        # (layer, what its copies cost once made, what they take while made)
         layers = [
-            (m, _linear_bytes(m, backward, dtype)) for x in models for m in x.modules() if packable_linear(m)
+            (m, _linear_bytes(m, backward, dtype, mapped), _linear_bytes(m, backward, dtype)) for m in found
         ]
         kinds.append(("linear", "linears", layers, pack_linear))
-    needs = [sum(size for _, size in layers) for _, _, layers, _ in kinds]
+    needs = [sum(size for _, size, _ in layers) for _, _, layers, _ in kinds]
     before = 0
     for (kind, flag, _, _), need in zip(kinds, needs, strict=True):
         if flag in required and before + need > share:
@@ -585,8 +585,8 @@ def pack_unet(
     counts, used, short = {}, 0, []
     for (kind, flag, layers, pack), need in zip(kinds, needs, strict=True):
         room, chosen = share - used, []
-        for module, size in layers:
-            if used + size <= share:
+        for module, size, making in layers:
+            if used + making <= share:
                 chosen.append(module)
                 used += size
         counts[kind] = sum(pack(m) for m in chosen)
