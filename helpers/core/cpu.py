@@ -377,14 +377,14 @@ def drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]] | None =
     return end - first
 
 
-def drop_module_file_pages(module: torch.nn.Module) -> int:
+def drop_module_file_pages(module: torch.nn.Module, mapped: list[tuple[int, int]] | None = None) -> int:
     """Hand back the pages of every parameter and buffer of ``module`` that lie in a file mapping
     (:func:`drop_file_pages`), for a frozen model that has done its part, kept or not; return the
     bytes handed back. Its weights stay valid: read again, their pages come back from the file.
-    Weights in anonymous memory (cast, or built in memory) are left alone."""
+    Weights in anonymous memory (cast, built in memory) are left alone. ``mapped``: :func:`file_mappings`."""
     if _glibc() is None:
         return 0
-    mapped = file_mappings()
+    mapped = file_mappings() if mapped is None else mapped
     return sum(drop_file_pages(t, mapped) for t in [*module.parameters(), *module.buffers()])
 
 

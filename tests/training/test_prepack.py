@@ -8,6 +8,7 @@ import copy
 import logging
 import platform
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -349,33 +350,53 @@ def test_a_linear_layer_under_bf16_autocast_computes_in_bf16_and_returns_fp32_gr
         torch.testing.assert_close(linear(x32), torch.nn.functional.linear(x32, weight, linear.bias))
 
 
-@pytest.mark.skipif(
-    cpu._glibc() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    reason="madvise through glibc, and bf16 arithmetic",
-)
-def test_an_fp32_text_encoder_under_bf16_hands_back_its_weights_pages_and_keeps_them_for_saving(tmp_path):
-    """Under bf16 autocast a packed fp32 layer computes on bf16 copies and keeps its wider weight
-    for ``state_dict()`` (the saved pipeline) alone: the weight's pages mapped from the model's file
-    go back (SD v1.5's text encoder under bf16: 340 MB), and read again they are the file's."""
+def _small_clip(saved_in: Path | None = None):
+    """A two-layer CLIP text encoder, frozen: loaded from its file in ``saved_in`` (its weights views
+    into the file's mapping), or built in memory."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
     config = CLIPTextConfig(
         vocab_size=99, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4
     )
-    CLIPTextModel(config).save_pretrained(tmp_path)
-    encoder = CLIPTextModel.from_pretrained(tmp_path).requires_grad_(False)  # views into the file's mapping
+    if saved_in is None:
+        return CLIPTextModel(config).requires_grad_(False)
+    CLIPTextModel(config).save_pretrained(saved_in)
+    return CLIPTextModel.from_pretrained(saved_in).requires_grad_(False)
+
+
+@pytest.mark.skipif(
+    cpu._glibc() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="madvise through glibc, and bf16 arithmetic",
+)
+@pytest.mark.parametrize("made", ["on first use", "by lay_out"])
+def test_an_fp32_text_encoder_under_bf16_hands_back_its_weights_pages_and_keeps_them_for_saving(
+    made, tmp_path, monkeypatch
+):
+    """Under bf16 autocast a packed fp32 layer computes on bf16 copies and keeps its wider weight
+    for ``state_dict()`` (the saved pipeline) alone: the weight's pages mapped from the model's file
+    go back (SD v1.5's text encoder under bf16: 340 MB), and read again they are the file's.
+    ``lay_out`` reads the process's file mappings once for all its layers, not once a layer."""
+    encoder = _small_clip(tmp_path)
     encoder.get_input_embeddings().requires_grad_(True)  # what TI trains; the linear layers stay frozen
     (path,) = tmp_path.glob("*.safetensors")
     saved = {k: v.clone() for k, v in encoder.state_dict().items()}  # every page read, so resident
     resident = mapped_rss(path)
     linears = [m for m in encoder.modules() if prepack.pack_linear(m)]
     assert len(linears) == 12
-    ids = torch.randint(0, 99, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = encoder(ids).last_hidden_state
-    out.float().sum().backward()
-    assert all(set(prepack._copies(m, torch.bfloat16)) == {"fwd", "bias", "bwd"} for m in linears)
     weights = sum(m.weight.numel() * 4 for m in linears)  # 12 layers of 256 to 512 KiB, fp32 and kept
+    ids = torch.randint(0, 99, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return encoder(ids).last_hidden_state
+
+    if made == "by lay_out":
+        reads, real = [], cpu.file_mappings
+        monkeypatch.setattr(cpu, "file_mappings", lambda: reads.append(1) or real())
+        assert (prepack.lay_out(forward), len(reads)) == (12, 1)
+        assert resident - mapped_rss(path) >= 0.95 * weights  # before any real step
+    forward().float().sum().backward()
+    assert all(set(prepack._copies(m, torch.bfloat16)) == {"fwd", "bias", "bwd"} for m in linears)
     assert all(m.weight.dtype == torch.float32 and m.weight.numel() > 0 for m in linears)
     assert resident - mapped_rss(path) >= 0.95 * weights
     assert all(torch.equal(v, saved[k]) for k, v in encoder.state_dict().items())  # from the file again
@@ -392,13 +413,7 @@ def test_a_file_backed_fp32_text_encoder_under_a_bf16_unet_costs_the_budget_its_
     copies (4 bytes a weight) less the fp32 file pages (4 bytes) take nothing from the budget once
     made: room for the UNet's copy and for one layer's copies while they are made packs every layer.
     A weight cast into memory has no pages to give back and costs its copies whole."""
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    config = CLIPTextConfig(
-        vocab_size=99, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4
-    )
-    CLIPTextModel(config).save_pretrained(tmp_path)
-    encoder = CLIPTextModel.from_pretrained(tmp_path).requires_grad_(False)  # views into the file's mapping
+    encoder = _small_clip(tmp_path)
     unet = torch.nn.Sequential(torch.nn.Linear(64, 64)).requires_grad_(False).to(torch.bfloat16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     largest = 2 * 2 * 512 * 256  # the MLP layers' two bf16 copies while they are made
@@ -410,8 +425,7 @@ def test_a_file_backed_fp32_text_encoder_under_a_bf16_unet_costs_the_budget_its_
     assert packed.bytes == 64 * 64 * 2 - biases  # copies and pages even, weight by weight
     for module in [*unet, *linears]:
         prepack.unpack(module)
-    in_memory = CLIPTextModel(config).requires_grad_(False)  # built in memory: no file pages
-    packed = prepack.pack_unet(unet, room, convs=False, linears=True, text_encoders=[in_memory])
+    packed = prepack.pack_unet(unet, room, convs=False, linears=True, text_encoders=[_small_clip()])
     # beside the UNet's copy: the first attention's first two projections (256 KiB of copies each)
     assert (packed.linears, packed.bytes) == (1 + 2, 64 * 64 * 2 + 2 * 2 * 2 * 256 * 256)
     assert "linear weights in 3 of 13 layers only" in packed.reason

@@ -111,8 +111,7 @@ def _release(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     of the SD v1.5 UNet frees up to 59 MB in fp32); ``state_dict()`` still holds the dense values
     (rebuilt from the forward's copy, bit for bit), :func:`_dense` gives them to the input
     gradient's copy, a deep copy gets them (:func:`_deepcopy_released`), and :func:`restore` gives
-    the module its weight back.
-    """
+    the module its weight back."""
     if "fwd" not in state or module in _RELEASED:
         return
     cpu.drop_file_pages(module.weight)  # a weight loaded from a mapped file would stay resident
@@ -286,9 +285,9 @@ def _compute_dtype(linear: torch.nn.Module) -> torch.dtype:
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else linear.weight.dtype
 
 
-def _linear_copies(linear: torch.nn.Linear, dtype: torch.dtype, rows: int, backward: bool) -> dict:
+def _linear_copies(linear: torch.nn.Linear, dtype: torch.dtype, rows: int, backward: bool, mapped=None):
     """``linear``'s copies for computing in ``dtype`` on ``rows`` rows, made where missing (as
-    :func:`_conv_copies` makes a convolution's)."""
+    :func:`_conv_copies` makes a convolution's); ``mapped``: :func:`helpers.core.cpu.file_mappings`."""
     state = _copies(linear, dtype)
     if "fwd" not in state:
         state["fwd"] = _lay_out_linear(linear.weight.detach().to(dtype), rows)
@@ -302,7 +301,7 @@ def _linear_copies(linear: torch.nn.Linear, dtype: torch.dtype, rows: int, backw
     if linear.weight.dtype == dtype:
         _release(linear, state)
     else:  # a wider weight is kept, for state_dict() alone: until then its file's pages go back
-        cpu.drop_module_file_pages(linear)
+        cpu.drop_module_file_pages(linear, mapped)
     return state
 
 
@@ -364,11 +363,12 @@ def lay_out(forward: Callable[[], object]) -> int:
         return 0
     finally:
         _SHAPES_ONLY = None
+    mapped = cpu.file_mappings()  # read once: a live weight keeps the mapping it lies in
     for layer, shape, backward, dtype in reached:
         if isinstance(layer, torch.nn.Conv2d):
             _conv_copies(layer, shape, backward)
         else:
-            _linear_copies(layer, dtype, shape.numel() // shape[-1], backward)
+            _linear_copies(layer, dtype, shape.numel() // shape[-1], backward, mapped)
     return len({id(layer) for layer, *_ in reached})
 
 
