@@ -255,9 +255,7 @@ def available_memory(file_bytes: int = 0, status: str | os.PathLike = "/proc/sel
 def file_backed_bytes(modules: Iterable[torch.nn.Module], mapped: list[tuple[int, int]] | None = None) -> int:
     """Bytes of the ``modules``' parameters and buffers that are views into a file mapping
     (safetensors weights as diffusers and transformers load them), resident or not; ``mapped``:
-    :func:`file_mappings`, read once for many calls. Not Linux: 0."""
-    if platform.system() != "Linux":
-        return 0
+    :func:`file_mappings`, read once for many calls. Not Linux: 0 (no mappings to read)."""
     mapped = file_mappings() if mapped is None else mapped
     seen, total = set(), 0
     for tensor in (t for m in modules for t in (*m.parameters(), *m.buffers())):

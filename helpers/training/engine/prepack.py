@@ -550,8 +550,9 @@ def pack_unet(
     """
     if problem := unavailable():
         return PackResult(0, 0, problem)
+    mapped = cpu.file_mappings()  # read once, for the budget and for each layer's cost
     if available_bytes is None:  # the models' weights are still to be read, or resident as file pages
-        available_bytes = cpu.available_memory(cpu.file_backed_bytes([unet, *text_encoders]))
+        available_bytes = cpu.available_memory(cpu.file_backed_bytes([unet, *text_encoders], mapped))
     share = MEMORY_SHARE * available_bytes / cpu.local_processes()
     kinds = []
     if convs:
@@ -564,9 +565,8 @@ def pack_unet(
             raise InputError(f"--prepack_{flag}: {why}; pass --no-prepack_{flag} or train in fp32")
         return PackResult(0, 0, why)
     if linears:
-        dtype, mapped = next(unet.parameters()).dtype, cpu.file_mappings()
+        dtype = next(unet.parameters()).dtype
         found = [m for x in (unet, *text_encoders) for m in x.modules() if packable_linear(m)]
-        # (layer, what its copies cost once made, what they take while made)
         layers = [
             (m, _linear_bytes(m, backward, dtype, mapped), _linear_bytes(m, backward, dtype)) for m in found
         ]
@@ -585,7 +585,7 @@ def pack_unet(
     counts, used, short = {}, 0, []
     for (kind, flag, layers, pack), need in zip(kinds, needs, strict=True):
         room, chosen = share - used, []
-        for module, size, making in layers:
+        for module, size, making in layers:  # what its copies cost once made, and while made
             if used + making <= share:
                 chosen.append(module)
                 used += size
