@@ -54,7 +54,8 @@ IGNORED_FLAGS = {**LAUNCHER_FLAGS}
 # shape in bf16 1.19x; the SD v1.5 shape: the options table), at 512 px they do not (SD v1.5 shape,
 # fp32: 10.3 against 10.5 s a step; SDXL shape, bf16: 28.6 against 28.1 s) while they cost their
 # memory (+3.2 and +4.3 GiB of peak) and a longer first step (+15 and +12 s): the larger the
-# pictures, the more compute each reorder of a weight is spread over.
+# pictures, the more compute each reorder of a weight is spread over. Not so for the text encoders'
+# 77 tokens: under bf16 their linear layers are laid out at any size (engine.setup._prepack).
 PREPACK_DEFAULT_BELOW_RESOLUTION = 512
 
 
@@ -186,8 +187,9 @@ class TrainConfig(Settings):
     prepack_linears: bool | None = setting(
         None,
         "lay out the frozen UNet's and text encoder's linear-layer weights for oneDNN once instead of "
-        "in every call: faster steps for one more weight's worth of memory. Default: below 512 px, as "
-        "far as the copies fit in memory; --prepack_linears: always (one line and exit 2 where memory is short); "
+        "in every call: faster steps for one more weight's worth of memory. Default: below 512 px (the "
+        "text encoder's at any size under bf16, where its copies replace a cast each step), as far as the "
+        "copies fit in memory; --prepack_linears: always (one line and exit 2 where memory is short); "
         "--no-prepack_linears: off",
     )
     use_ipex: bool = setting(

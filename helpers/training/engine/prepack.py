@@ -94,9 +94,8 @@ class _PackedConvFn(torch.autograd.Function):
 
 
 def _copies(module: torch.nn.Module, compute: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The laid-out copies of ``module``'s current weight for computing in ``compute`` (default: the
-    weight's dtype). Keyed by both dtypes: a module cast later gets new copies (from its dense
-    weight, given back first if :func:`_release` freed it)."""
+    """The laid-out copies of ``module``'s weight for computing in ``compute`` (default: its dtype), keyed
+    by both dtypes: a module cast later gets new copies (from its dense weight, given back first)."""
     dtype = module.weight.dtype
     state = _COPIES.setdefault(module, {}).setdefault((dtype, compute or dtype), {})
     if "fwd" not in state and module.weight.numel() == 0:
@@ -530,8 +529,8 @@ def pack_unet(
     text_encoders: Sequence[torch.nn.Module] = (),
     required: Collection[str] = (),
 ) -> PackResult:
-    """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``, with
-    those of the ``text_encoders``, both of SDXL's) as far as the copies fit.
+    """Pack the frozen ``unet``'s packable convolutions (``convs``) and linear layers (``linears``), and
+    those of the ``text_encoders`` (both of SDXL's; none given, none packed) as far as the copies fit.
 
     They fit when they take at most :data:`MEMORY_SHARE` of the memory available now
     (:func:`helpers.core.cpu.available_memory`: the models' weights mapped from their files are not
@@ -564,9 +563,10 @@ def pack_unet(
             flag = sorted(required)[0]
             raise InputError(f"--prepack_{flag}: {why}; pass --no-prepack_{flag} or train in fp32")
         return PackResult(0, 0, why)
-    if linears:
+    if linears or text_encoders:
         dtype = next(unet.parameters()).dtype
-        found = [m for x in (unet, *text_encoders) for m in x.modules() if packable_linear(m)]
+        models = [unet, *text_encoders] if linears else text_encoders
+        found = [m for x in models for m in x.modules() if packable_linear(m)]
         layers = [
             (m, _linear_bytes(m, backward, dtype, mapped), _linear_bytes(m, backward, dtype)) for m in found
         ]

@@ -222,7 +222,12 @@ def _prepack(config: TrainConfig, unet, text_encoders) -> dict:
     convs, linears = (prepacks(f, config.resolution) for f in (config.prepack_convs, config.prepack_linears))
     if config.use_ipex:
         return {}  # IPEX lays weights out its own way
-    if not (convs or linears):
+    # The text encoders' copies pay at any size where bf16 computes over their fp32 weights: their 77
+    # tokens do not grow with the pictures, the copies replace the casts autocast makes of every
+    # weight each step, and cost about nothing (two bf16 copies, the fp32 file pages going back).
+    casts = any(next(e.parameters()).dtype != next(unet.parameters()).dtype for e in text_encoders)
+    encoders = linears or (casts and config.prepack_linears is None)
+    if not (convs or encoders):
         if config.prepack_convs is None and config.prepack_linears is None:
             why = f"not at {config.resolution} px (it pays below {PREPACK_DEFAULT_BELOW_RESOLUTION} px)"
             logger.info(f"frozen weights not laid out once: {why}", main_process_only=True)
@@ -232,7 +237,7 @@ def _prepack(config: TrainConfig, unet, text_encoders) -> dict:
         unet,
         convs=convs,
         linears=linears,
-        text_encoders=text_encoders,
+        text_encoders=text_encoders if encoders else (),
         required=[flag for flag in ("convs", "linears") if getattr(config, f"prepack_{flag}")],
     )
     packed.log(logger, main_process_only=True)

@@ -9,8 +9,9 @@ import torch
 from tiny_parts import tiny_config
 from transformers import CLIPTokenizer
 
+from helpers.core import cpu
 from helpers.training import models
-from helpers.training.engine import setup
+from helpers.training.engine import prepack, setup
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +105,28 @@ def test_weights_are_laid_out_once_by_default_below_512_px_only(tmp_path, tiny_d
     assert setup._prepack(tiny_config(tmp_path, resolution=512, prepack_convs=False), unet, []) == {}
     packed = setup._prepack(tiny_config(tmp_path, resolution=64), unet, [])["prepacked_convs"]
     assert packed["convolutions"] > 0 and packed["linears"] > 0 and packed["reason"] is None
+
+
+@pytest.mark.skipif(not cpu.can_lay_out_bf16_weights(), reason="this CPU cannot lay bf16 weights out")
+def test_a_bf16_run_lays_its_fp32_text_encoder_out_at_every_size(tmp_path, tiny_dir):
+    """bf16 over the encoder's fp32 weights: the copies replace a cast of every weight each step, and
+    its 77 tokens do not grow with the pictures, so at 512 px its linear layers are laid out and the
+    UNet's not; an fp32 run, or --no-prepack_linears, lays nothing out there."""
+    from accelerate import PartialState
+
+    PartialState()
+    parts = models.load_components(tiny_dir, unet_dtype=torch.bfloat16, load_vae=False)
+    unet, encoder = (m.requires_grad_(False) for m in (parts.unet, parts.text_encoder))
+    linears = [m for m in encoder.modules() if prepack.packable_linear(m)]
+    config = tiny_config(tmp_path, resolution=512, mixed_precision="bf16")
+    packed = setup._prepack(config, unet, [encoder])["prepacked_convs"]
+    assert (packed["convolutions"], packed["linears"], packed["reason"]) == (0, len(linears), None)
+    assert [m for m in (*encoder.modules(), *unet.modules()) if prepack._packed_by(m)] == linears
+    for module in linears:
+        prepack.unpack(module)
+    assert setup._prepack(tiny_config(tmp_path, resolution=512, prepack_linears=False), unet, [encoder]) == {}
+    fp32 = models.load_components(tiny_dir, load_vae=False).unet.requires_grad_(False)
+    assert (
+        setup._prepack(config, fp32, [encoder])["prepacked_convs"]["reason"]
+        == "not at 512 px (it pays below 512 px)"
+    )
