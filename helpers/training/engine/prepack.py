@@ -474,17 +474,15 @@ class PackResult:
     linears: int = 0
 
     def describe(self) -> str:
-        said = []
-        if self.convolutions or self.linears:
-            layers = " and ".join(
-                f"{n} {kind}"
-                for n, kind in ((self.convolutions, "convolutions"), (self.linears, "linear layers"))
-                if n
-            )
-            said.append(f"{layers} use weights laid out once (+{self.bytes / 2**30:.2f} GiB)")
-        if self.reason:
-            said.append(self.reason)
-        return "; ".join(said)
+        layers = " and ".join(
+            f"{n} {kind}"
+            for n, kind in ((self.convolutions, "convolutions"), (self.linears, "linear layers"))
+            if n
+        )
+        # not "-0.00": under bf16 a text encoder's fp32 biases give back more than their copies take
+        gib = round(self.bytes / 2**30, 2) or 0.0
+        said = [f"{layers} use weights laid out once ({gib:+.2f} GiB)"] if layers else []
+        return "; ".join(said + [self.reason] if self.reason else said)
 
     def log(self, logger, **kwargs) -> None:
         """Log :meth:`describe`: a warning if something was left plain, else info (``kwargs`` go to the logger)."""
