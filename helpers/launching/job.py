@@ -172,6 +172,8 @@ def run_job(
                 os.close(held)  # after stop(): a rank that sees it free now has been told already
             if log:
                 log.close()
+            if status_dir:
+                supervise.remove_shared_memory(status_dir)  # a rank killed outright left its file
     result = _job_result(job)
     if status_dir:
         ray_train.remove_private_folder(status_dir)  # a Ray driver killed while stopping left it

@@ -26,6 +26,7 @@ import psutil
 
 from helpers.core.outputs import SUMMARY
 from helpers.launching.layout import is_local_host
+from helpers.ranks import oneccl
 from helpers.ranks.status import DONE, LAUNCHER_LOCK, WAITING, lock_held
 
 
@@ -110,11 +111,30 @@ def signals_interrupt(signals: Sequence[signal.Signals] = (signal.SIGTERM, signa
 
 
 def prepare(folder: str | os.PathLike) -> Path:
-    """Empty the status folder before a job starts (an earlier run's free locks read as exited)."""
+    """Empty the status folder before a job starts (an earlier run's free locks read as exited),
+    after removing what its ranks here left in shared memory (:func:`remove_shared_memory`)."""
     folder = Path(folder)
+    remove_shared_memory(folder)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     return folder
+
+
+def remove_shared_memory(folder: str | os.PathLike) -> list[str]:
+    """Remove the shared-memory files of the ranks of this machine reporting in ``folder`` that
+    are gone (:func:`helpers.ranks.oneccl.remove_regions`: a rank killed outright leaves its file).
+
+    :func:`helpers.launching.job.run_job` calls it once its job has ended, and, through
+    :func:`prepare`, for the previous job in the same folder (its launcher may have been killed
+    outright too). Returns the names removed.
+    """
+    pids = []
+    for path in Path(folder).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            report = json.loads(path.read_text())
+            if is_local_host(str(report.get("host"))) and type(report.get("pid")) is int:
+                pids.append(report["pid"])
+    return oneccl.remove_regions(pids)
 
 
 @dataclass

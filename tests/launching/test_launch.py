@@ -25,7 +25,7 @@ from tiny_parts import train_here  # tests/ is on sys.path under pytest
 
 from helpers import launch
 from helpers.core import errors
-from helpers.launching import commands, job, rank_output
+from helpers.launching import commands, job, rank_output, supervise
 from helpers.launching.layout import ClusterLayout, free_port
 from helpers.ranks import faults, oneccl, status
 from helpers.ranks.backend import select_backend
@@ -256,7 +256,8 @@ def test_killing_a_rank_mid_run_fails_the_job_within_the_bound(
     script, launcher, backend, tmp_path, monkeypatch
 ):
     """Both ranks all-reduce in a loop; rank 1 is killed. The job ends, naming rank 1 and the kill, on
-    either backend, with the default exit grace (60 s, which is for ranks that end well).
+    either backend, with the default exit grace (60 s, which is for ranks that end well), and no
+    rank's shared-memory file is left.
 
     On gloo the survivor's all-reduce fails at once. On ccl it does not (oneCCL's shared-memory
     transport does not see a dead peer; it would wait for the group's 30-min timeout, and Hydra
@@ -288,6 +289,9 @@ def test_killing_a_rank_mid_run_fails_the_job_within_the_bound(
         result.error == rank_output.SILENT_END
     ), result.error
     assert "Traceback" not in stream.getvalue()  # the survivor's traceback went to the log
+    # ccl on one node: libfabric's shm files in /dev/shm (RAM), the killed rank's left behind by it
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    assert [p.name for pid in pids for p in oneccl.SHM_FOLDER.glob(f"{pid}:*")] == []
 
 
 @pytest.mark.slow
@@ -624,7 +628,8 @@ def test_no_rank_outlives_its_launcher_however_it_ends(tmp_path, launcher, sig):
     """``python -m helpers.launch`` training 2 ranks is killed outright (a restarted notebook
     kernel), terminated (a scheduler's limit) or hung up (a closed terminal) mid-run: every rank,
     and every other process the launcher started (mpirun, torchrun, the Ray driver and its
-    runtime), is gone within a few seconds, and the run is not marked finished."""
+    runtime), is gone within a few seconds, and the run is not marked finished; no rank's
+    shared-memory file stays."""
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "helpers.launch", "--launcher", launcher, "--nproc_per_node", "2",
             "--threads_per_process", "1", "--main_process_port", str(free_port()), "--",
@@ -659,6 +664,12 @@ def test_no_rank_outlives_its_launcher_however_it_ends(tmp_path, launcher, sig):
             assert f"error: interrupted ({sig.name} received); every rank was stopped" in err
             assert "no checkpoint was written yet, so it must start over: run the same command again" in err
         assert not (out / "run_summary.json").exists()
+        # ccl's shared-memory files (one node): the launcher removes its ranks' as it ends; killed
+        # outright it cannot, and the next job in the same folder does (rerun, resume)
+        pids = _rank_pids(status_dir)
+        if sig == signal.SIGKILL:
+            supervise.prepare(status_dir)
+        assert [p.name for pid in pids for p in oneccl.SHM_FOLDER.glob(f"{pid}:*")] == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

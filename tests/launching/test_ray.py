@@ -26,7 +26,7 @@ from helpers import launch
 from helpers.launching import commands, job, preflight, rank_output, ray_worker, supervise
 from helpers.launching import ray_train as ray_launch
 from helpers.launching.layout import ClusterLayout, free_port
-from helpers.ranks import faults, status
+from helpers.ranks import faults, oneccl, status
 from helpers.training.engine import events
 from launching.test_launch import (
     AUTO,
@@ -285,7 +285,7 @@ def test_nodes_must_match_this_environment_and_hold_the_workers():
 def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_path, capsys, monkeypatch):
     """Rank 1 is killed (SIGKILL) while training: the job ends within 60 s, the message names rank 1,
     its node and its last lines; run_summary.json is not written and nothing half-written is left;
-    no raylet or gcs_server survives."""
+    no raylet or gcs_server survives, no worker's shared-memory file (ccl on one node) stays."""
     before, dirs = ray_processes(), ray_temp_dirs()
     out = tmp_path / "out"
     layout = ClusterLayout.local(2, threads_per_process=1)
@@ -328,6 +328,8 @@ def test_a_worker_that_dies_ends_the_run_with_one_message_and_no_ray_left(tmp_pa
     assert not (out / "run_summary.json").exists()
     assert not [p for p in out.rglob(".*") if p.name.endswith(".tmp")]
     assert ray_processes() <= before and ray_temp_dirs() <= dirs
+    workers = [json.loads((status / f"rank{r}.json").read_text())["pid"] for r in (0, 1)]
+    assert pid in workers and [p for w in workers for p in oneccl.SHM_FOLDER.glob(f"{w}:*")] == []
 
 
 @pytest.mark.slow

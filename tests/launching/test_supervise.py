@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
 
 from helpers.launching import supervise
-from helpers.ranks import status
+from helpers.ranks import oneccl, status
 
 RANK = """
 from helpers.ranks import status
@@ -122,3 +124,37 @@ def test_ranks_one_poll_finds_failed_together_are_all_first(tmp_path):
         for p in ranks.values():
             p.kill()
             p.wait()
+
+
+def test_shared_memory_left_by_gone_ranks_here_is_removed_before_and_after_a_job(tmp_path):
+    """libfabric's shm transport (ccl on one node) keeps a rank's endpoint in /dev/shm (RAM) as
+    ``<pid>:<uid>:<n>``; a rank killed outright leaves it. Removed: the files of this user's ranks of
+    this machine that are gone. Kept: a live rank's, another host's rank's, names of another form."""
+    uid, host = os.getuid(), socket.gethostname()
+    dead = []
+    for _ in range(3):
+        proc = subprocess.Popen(["true"])
+        proc.wait()
+        dead.append(proc.pid)
+    reports = {0: (host, dead[0]), 1: (host, os.getpid()), 2: ("node7", dead[1]), 3: ("localhost", dead[2])}
+    names = [f"{dead[0]}:{uid}:0", f"{dead[0]}:{uid}:0:77", f"{dead[2]}:{uid}:1", f"{dead[0]}:{uid}:x",
+             f"{os.getpid()}:{uid}:0", f"{dead[1]}:{uid}:0"]  # fmt: skip
+    folder = tmp_path / "status"
+
+    def job_left_them() -> None:
+        for name in names:
+            (oneccl.SHM_FOLDER / name).write_bytes(b"x")
+        folder.mkdir(exist_ok=True)
+        for rank, (where, pid) in reports.items():
+            (folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "host": where, "pid": pid}))
+
+    try:
+        job_left_them()  # the job's end: run_job removes them
+        assert sorted(supervise.remove_shared_memory(folder)) == sorted(names[:3])
+        assert sorted(n for n in names if (oneccl.SHM_FOLDER / n).exists()) == sorted(names[3:])
+        job_left_them()  # its launcher was killed outright: the next job's prepare() removes them
+        assert supervise.prepare(folder) == folder and list(folder.iterdir()) == []
+        assert sorted(n for n in names if (oneccl.SHM_FOLDER / n).exists()) == sorted(names[3:])
+    finally:
+        for name in names:
+            (oneccl.SHM_FOLDER / name).unlink(missing_ok=True)

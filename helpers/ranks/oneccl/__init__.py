@@ -36,11 +36,13 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -435,6 +437,40 @@ def environment(
         with contextlib.suppress(CclUnavailable):
             env += _fabric_pins(find())
     return env
+
+
+# libfabric's shm provider (one node: FI_PROVIDER=shm) maps each rank's endpoint to a file here,
+# named "<pid>:<uid>:<endpoint>" (sometimes with one more number), 64 MiB of RAM-backed tmpfs.
+SHM_FOLDER = Path("/dev/shm")
+
+
+def remove_regions(pids: Iterable[int], folder: Path = SHM_FOLDER) -> list[str]:
+    """Remove the shared-memory files that the ranks ``pids`` of this machine left behind, once gone.
+
+    A rank removes its own file when it ends, TERM included; one killed outright (the out-of-memory
+    killer, a SIGKILL from its launcher's parent) cannot, and the file holds its pages of RAM until
+    the machine restarts. Only regular files of this user named after a pid that is no longer a
+    live process are removed. Returns their names.
+    """
+    uid, removed = os.getuid(), []
+    for pid in sorted({p for p in pids if _gone(p)}):
+        for path in sorted(folder.glob(f"{pid}:{uid}:*")):
+            with contextlib.suppress(OSError):  # removed meanwhile, or not this user's to remove
+                info = path.lstat()
+                ours = stat.S_ISREG(info.st_mode) and info.st_uid == uid
+                if ours and re.fullmatch(rf"{pid}:{uid}(:\d+)+", path.name):
+                    path.unlink()
+                    removed.append(path.name)
+    return removed
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` is no live process here (never was, has exited, or is a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def _official_importable() -> bool:
