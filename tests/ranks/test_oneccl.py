@@ -216,6 +216,9 @@ def _run_ranks(ranks: list[int], world: int, mode: str, timeout: float) -> dict[
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
+        oneccl.remove_regions(
+            p.pid for p in procs.values()
+        )  # a killed rank's shared memory, as helpers.launch does
 
 
 @pytest.mark.parametrize("world", [2, 3])
