@@ -561,7 +561,7 @@ def upload_pictures(lab: Lab, findings: list[str]) -> None:
         "small.png": _png(16),
         "broken.png": good[:200],
     }
-    picked = Path(tempfile.mkdtemp(prefix="lab-upload-"))
+    picked = Path(tempfile.mkdtemp(prefix="lab-upload-", dir=lab.server_log.parent))  # the test's work folder
     for name, content in files.items():
         (picked / name).write_bytes(content)
     driver = lab.driver
