@@ -362,7 +362,8 @@ def prepare_job(
         mpirun: the mpirun program (default: this environment's, see :func:`find_mpirun`).
         backend: ``"auto"`` (None), ``"gloo"`` or ``"ccl"``, resolved by
             :func:`helpers.ranks.backend.resolve_backend` before anything is written (``ccl`` where
-            it cannot load is a :class:`DistributedError`).
+            it cannot load, or where ranks on this machine would find too little ``/dev/shm``, is a
+            :class:`DistributedError`).
         num_nodes: ``"ray"`` only: nodes of the Ray cluster to spread the workers over.
         ray_address: ``"ray"`` only: ``"auto"`` or ``HOST:PORT`` of a running Ray cluster (default:
             a private Ray runtime on this machine, ended with the job).
@@ -372,7 +373,8 @@ def prepare_job(
         The commands to pass to :func:`run_job`.
     """
     config = _parse_train_flags(module, train_args)
-    backend = resolve_backend(backend)
+    here = ray_address is None if launcher == "ray" else layout.is_local  # every rank on this machine
+    backend = resolve_backend(backend, one_machine=here)
     output_dir = Path(config.output_dir).resolve()
     work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
     for path in (work_dir, work_dir / "status", work_dir / JOB_LOG):  # emptied or written at every start

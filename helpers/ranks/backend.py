@@ -14,6 +14,7 @@ killed rank ends a ccl job as a gloo one; ``--backend ccl`` where it cannot load
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -25,23 +26,38 @@ from helpers.ranks import oneccl
 BACKENDS = ("gloo", "ccl")
 BACKEND_ENV = "WORKSHOP_BACKEND"  # set by job_env for every rank: the backend the launcher chose
 
+logger = logging.getLogger(__name__)
+
 
 def select_backend() -> str:
     """``"ccl"`` where it can be used here (built and loads, or the official bindings), else ``"gloo"``."""
     return "ccl" if oneccl.available()[0] else "gloo"
 
 
-def resolve_backend(requested: str | None = "auto") -> str:
+def resolve_backend(requested: str | None = "auto", one_machine: bool = False) -> str:
     """The backend a job runs on: ``auto`` (or None) is :func:`select_backend`.
+
+    Args:
+        requested: ``auto`` (None), ``gloo`` or ``ccl``.
+        one_machine: every rank runs on this machine: ccl's ranks then talk through ``/dev/shm``,
+            which must have room (:func:`helpers.ranks.oneccl.shared_memory_shortfall`); where it
+            has not, ``auto`` is ``gloo`` (with a warning saying why).
 
     Raises:
         DistributedError: ``ccl`` asked for where it cannot be used (one line: what is missing and
             the fix), or an unknown name.
     """
     if requested in (None, "auto"):
-        return select_backend()
+        backend = select_backend()
+        short = backend == "ccl" and one_machine and oneccl.shared_memory_shortfall()
+        if short:
+            logger.warning(f"--backend auto: gloo, not ccl: {short}")
+            return "gloo"
+        return backend
     if requested == "ccl":
         ok, reason = oneccl.available()
+        if ok and one_machine and (short := oneccl.shared_memory_shortfall()):
+            ok, reason = False, short
         if not ok:
             raise DistributedError(f"--backend ccl: {reason} (or use --backend gloo)")
     elif requested != "gloo":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -329,6 +330,56 @@ def test_backend_auto_is_ccl_where_built():
     assert (
         backend.select_backend() == backend.resolve_backend("auto") == backend.resolve_backend("ccl") == "ccl"
     )
+
+
+def test_ranks_on_this_machine_need_room_in_dev_shm_for_ccl(monkeypatch, caplog):
+    """libfabric's shm transport (ccl, every rank on one machine) wants 64 MiB of /dev/shm per CPU
+    as each rank starts, and a container's is often 64 MB: auto is then gloo with a warning saying
+    why, ccl asked for is one line; a job over several machines (tcp) is not held to it."""
+
+    def statvfs(free_mib: int):
+        return lambda path: os.statvfs_result((4096, 4096, 0, 0, free_mib * 256, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", statvfs(128))
+    assert oneccl.shared_memory_shortfall(cpus=2) is None
+    monkeypatch.setattr(os, "statvfs", statvfs(64))
+    short = (
+        "/dev/shm has 64 MiB free, and oneCCL's shared-memory transport needs 128 MiB on this machine "
+        "(64 MiB per CPU, 2 CPUs): give it more (a container: docker run --shm-size=1g ...) or free some"
+    )
+    assert oneccl.shared_memory_shortfall(cpus=2) == short
+    monkeypatch.setattr(oneccl, "available", lambda: (True, "ccl from this workshop's extension"))
+    monkeypatch.setattr(oneccl, "shared_memory_shortfall", lambda: short)
+    with caplog.at_level("WARNING", logger=backend.logger.name):
+        assert backend.resolve_backend("auto", one_machine=True) == "gloo"
+    assert [r.getMessage() for r in caplog.records] == [f"--backend auto: gloo, not ccl: {short}"]
+    with pytest.raises(errors.DistributedError) as raised:
+        backend.resolve_backend("ccl", one_machine=True)
+    assert str(raised.value) == f"--backend ccl: {short} (or use --backend gloo)"
+    assert backend.resolve_backend("auto") == backend.resolve_backend("ccl") == "ccl"  # several machines
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="mounting a tmpfs needs root")
+def test_launch_with_ccl_refuses_a_small_dev_shm_in_one_line_before_anything(tmp_path):
+    """The real check on a real small /dev/shm (Docker's default, 64 MB, mounted in a private mount
+    namespace): --backend ccl is one error line and exit 2 before any file is written."""
+    ok, reason = oneccl.available()
+    if not ok:
+        pytest.skip(f"ccl cannot be used here: {reason}")
+    flags = ["--train_data_dir", str(data.sample_concept_dir()), "--output_dir", str(tmp_path / "out")]
+    launch_line = shlex.join(
+        [sys.executable, "-m", "helpers.launch", "--backend", "ccl", "--dry_run", "--", *flags]
+    )
+    done = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64M tmpfs /dev/shm && {launch_line}"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert re.fullmatch(
+        r"error: --backend ccl: /dev/shm has 64 MiB free, and oneCCL's shared-memory transport needs \d+ MiB "
+        r"on this machine \(64 MiB per CPU, \d+ CPUs\): give it more \(a container: docker run "
+        r"--shm-size=\d+g \.\.\.\) or free some \(or use --backend gloo\)\n",
+        done.stderr,
+    ), done.stderr
+    assert done.stdout == "" and list(tmp_path.iterdir()) == []
 
 
 def test_job_env_is_explicit_and_ccl_adds_oneccls_variables_with_reasons():

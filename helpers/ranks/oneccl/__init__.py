@@ -442,6 +442,32 @@ def environment(
 # libfabric's shm provider (one node: FI_PROVIDER=shm) maps each rank's endpoint to a file here,
 # named "<pid>:<uid>:<endpoint>" (sometimes with one more number), 64 MiB of RAM-backed tmpfs.
 SHM_FOLDER = Path("/dev/shm")
+# At start-up each rank's provider wants this much free there per CPU of the machine, or oneCCL
+# fails with "failed to initialize ATL" (measured on 2 CPUs: starts with 129 MiB, not with 127).
+SHM_BYTES_PER_CPU = 64 * 2**20
+
+
+def shared_memory_shortfall(cpus: int | None = None) -> str | None:
+    """Why ccl's ranks on this machine could not start their shared-memory transport, or None.
+
+    A container's ``/dev/shm`` is often small (Docker's default: 64 MB); libfabric's shm provider
+    refuses to start with less free than :data:`SHM_BYTES_PER_CPU` per CPU (``cpus``, default this
+    machine's), and oneCCL then fails in every rank after the models have loaded.
+    """
+    cpus = cpus or os.cpu_count() or 1
+    need = cpus * SHM_BYTES_PER_CPU
+    try:
+        info = os.statvfs(SHM_FOLDER)
+    except OSError as err:
+        return f"{SHM_FOLDER} cannot be read ({err.strerror}), and ranks on one machine talk through it"
+    free = info.f_bavail * info.f_frsize
+    if free >= need:
+        return None
+    return (
+        f"{SHM_FOLDER} has {free // 2**20} MiB free, and oneCCL's shared-memory transport needs "
+        f"{need // 2**20} MiB on this machine ({SHM_BYTES_PER_CPU // 2**20} MiB per CPU, {cpus} CPUs): "
+        f"give it more (a container: docker run --shm-size={-(-need // 2**30)}g ...) or free some"
+    )
 
 
 def remove_regions(pids: Iterable[int], folder: Path = SHM_FOLDER) -> list[str]:
