@@ -440,7 +440,7 @@ def environment(
 
 
 # libfabric's shm provider (one node: FI_PROVIDER=shm) maps each rank's endpoint to a file here,
-# named "<pid>:<uid>:<endpoint>" (sometimes with one more number), 64 MiB of RAM-backed tmpfs.
+# named "<pid>:<uid>:<endpoint>" (sometimes with one more number): 64 MiB, in RAM as it is used.
 SHM_FOLDER = Path("/dev/shm")
 # At start-up each rank's provider wants this much free there per CPU of the machine, or oneCCL
 # fails with "failed to initialize ATL" (measured on 2 CPUs: starts with 129 MiB, not with 127).
@@ -470,7 +470,7 @@ def shared_memory_shortfall(cpus: int | None = None) -> str | None:
     )
 
 
-def remove_regions(pids: Iterable[int], folder: Path = SHM_FOLDER) -> list[str]:
+def remove_regions(pids: Iterable[int]) -> list[str]:
     """Remove the shared-memory files that the ranks ``pids`` of this machine left behind, once gone.
 
     A rank removes its own file when it ends, TERM included; one killed outright (the out-of-memory
@@ -480,7 +480,7 @@ def remove_regions(pids: Iterable[int], folder: Path = SHM_FOLDER) -> list[str]:
     """
     uid, removed = os.getuid(), []
     for pid in sorted({p for p in pids if _gone(p)}):
-        for path in sorted(folder.glob(f"{pid}:{uid}:*")):
+        for path in sorted(SHM_FOLDER.glob(f"{pid}:{uid}:*")):
             with contextlib.suppress(OSError):  # removed meanwhile, or not this user's to remove
                 info = path.lstat()
                 ours = stat.S_ISREG(info.st_mode) and info.st_uid == uid
