@@ -443,7 +443,8 @@ def environment(
 # named "<pid>:<uid>:<endpoint>" (sometimes with one more number): 64 MiB, in RAM as it is used.
 SHM_FOLDER = Path("/dev/shm")
 # At start-up each rank's provider wants this much free there per CPU of the machine, or oneCCL
-# fails with "failed to initialize ATL" (measured on 2 CPUs: starts with 129 MiB, not with 127).
+# fails with "failed to initialize ATL" (measured with impi-rt's libfabric 2.4 on 2 CPUs: 3 ranks
+# start with 160 MiB, 2 with 129 MiB, not with 127).
 SHM_BYTES_PER_CPU = 64 * 2**20
 
 
