@@ -67,9 +67,10 @@ def stop(
             time.sleep(0.1)
 
 
-def _alive(proc: psutil.Process) -> bool:
+def _alive(proc: psutil.Process | int) -> bool:
+    """Whether the process (or pid) still runs here: not exited, not a zombie."""
     try:
-        return proc.status() != psutil.STATUS_ZOMBIE
+        return (psutil.Process(proc) if isinstance(proc, int) else proc).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
@@ -126,15 +127,16 @@ def remove_shared_memory(folder: str | os.PathLike) -> list[str]:
 
     :func:`helpers.launching.job.run_job` calls it once its job has ended, and, through
     :func:`prepare`, for the previous job in the same folder (its launcher may have been killed
-    outright too). Returns the names removed.
+    outright too). Ranks still alive keep theirs. Returns the names removed.
     """
-    pids = []
+    gone = []
     for path in Path(folder).glob("rank*.json"):
         with contextlib.suppress(OSError, ValueError):
             report = json.loads(path.read_text())
-            if is_local_host(str(report.get("host"))) and type(report.get("pid")) is int:
-                pids.append(report["pid"])
-    return oneccl.remove_regions(pids)
+            pid = report.get("pid")
+            if is_local_host(str(report.get("host"))) and type(pid) is int and not _alive(pid):
+                gone.append(pid)
+    return oneccl.remove_regions(gone)
 
 
 @dataclass

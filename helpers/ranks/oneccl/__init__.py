@@ -472,15 +472,15 @@ def shared_memory_shortfall(cpus: int | None = None) -> str | None:
 
 
 def remove_regions(pids: Iterable[int]) -> list[str]:
-    """Remove the shared-memory files that the ranks ``pids`` of this machine left behind, once gone.
+    """Remove the shared-memory files that the ranks ``pids`` of this machine, which have ended, left.
 
     A rank removes its own file when it ends, TERM included; one killed outright (the out-of-memory
     killer, a SIGKILL from its launcher's parent) cannot, and the file holds its pages of RAM until
-    the machine restarts. Only regular files of this user named after a pid that is no longer a
-    live process are removed. Returns their names.
+    the machine restarts. Give only pids of processes that are gone (a live rank still uses its
+    file); only regular files of this user with libfabric's names are removed. Returns their names.
     """
     uid, removed = os.getuid(), []
-    for pid in sorted({p for p in pids if _gone(p)}):
+    for pid in sorted(set(pids)):
         for path in sorted(SHM_FOLDER.glob(f"{pid}:{uid}:*")):
             with contextlib.suppress(OSError):  # removed meanwhile, or not this user's to remove
                 info = path.lstat()
@@ -489,15 +489,6 @@ def remove_regions(pids: Iterable[int]) -> list[str]:
                     path.unlink()
                     removed.append(path.name)
     return removed
-
-
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` is no live process here (never was, has exited, or is a zombie)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
 
 
 def _official_importable() -> bool:
