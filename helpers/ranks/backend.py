@@ -1,7 +1,8 @@
 """The process group every rank starts: ``gloo``, or ``ccl`` (oneCCL) where it can be used.
 
 The launcher resolves ``--backend`` (:func:`resolve_backend`: ``auto`` is ``ccl`` where
-:func:`helpers.ranks.oneccl.available`, else ``gloo``) and puts the choice in every rank's
+:func:`helpers.ranks.oneccl.available` and, for ranks on one machine, ``/dev/shm`` has room, else
+``gloo``) and puts the choice in every rank's
 environment (``WORKSHOP_BACKEND``, with oneCCL's variables from
 :func:`helpers.ranks.oneccl.environment`); each rank starts it with :func:`init_backend` just
 before ``Accelerator()``. ``ccl`` is the workshop's own extension (:mod:`helpers.ranks.oneccl`), or
@@ -29,9 +30,19 @@ BACKEND_ENV = "WORKSHOP_BACKEND"  # set by job_env for every rank: the backend t
 logger = logging.getLogger(__name__)
 
 
-def select_backend() -> str:
-    """``"ccl"`` where it can be used here (built and loads, or the official bindings), else ``"gloo"``."""
-    return "ccl" if oneccl.available()[0] else "gloo"
+def select_backend(one_machine: bool = False) -> str:
+    """``"ccl"`` where it can be used here (built and loads, or the official bindings), else ``"gloo"``.
+
+    With ``one_machine`` (every rank on this machine, so ccl's ranks talk through ``/dev/shm``),
+    also only where ``/dev/shm`` has room for them (:func:`helpers.ranks.oneccl.shared_memory_shortfall`);
+    where it has not, a warning says why the job runs on gloo.
+    """
+    if not oneccl.available()[0]:
+        return "gloo"
+    if one_machine and (short := oneccl.shared_memory_shortfall()):
+        logger.warning(f"--backend auto: gloo, not ccl: {short}")
+        return "gloo"
+    return "ccl"
 
 
 def resolve_backend(requested: str | None = "auto", one_machine: bool = False) -> str:
@@ -39,21 +50,15 @@ def resolve_backend(requested: str | None = "auto", one_machine: bool = False) -
 
     Args:
         requested: ``auto`` (None), ``gloo`` or ``ccl``.
-        one_machine: every rank runs on this machine: ccl's ranks then talk through ``/dev/shm``,
-            which must have room (:func:`helpers.ranks.oneccl.shared_memory_shortfall`); where it
-            has not, ``auto`` is ``gloo`` (with a warning saying why).
+        one_machine: every rank runs on this machine: ccl then needs room in ``/dev/shm``
+            (:func:`select_backend`); ``ccl`` asked for without it is an error.
 
     Raises:
         DistributedError: ``ccl`` asked for where it cannot be used (one line: what is missing and
             the fix), or an unknown name.
     """
     if requested in (None, "auto"):
-        backend = select_backend()
-        short = backend == "ccl" and one_machine and oneccl.shared_memory_shortfall()
-        if short:
-            logger.warning(f"--backend auto: gloo, not ccl: {short}")
-            return "gloo"
-        return backend
+        return select_backend(one_machine)
     if requested == "ccl":
         ok, reason = oneccl.available()
         if ok and one_machine and (short := oneccl.shared_memory_shortfall()):

@@ -429,7 +429,7 @@ def learned(out: Path) -> torch.Tensor:
 
 
 CCL_OK, CCL_REASON = oneccl.available()  # (False, what is missing and the fix) where ccl cannot load
-AUTO = select_backend()  # what --backend auto gives here: ccl where it loads
+AUTO = select_backend(one_machine=True)  # what --backend auto gives jobs here: ccl where it loads and fits
 
 
 @pytest.fixture(scope="module")
