@@ -2,7 +2,9 @@
 
 Every writer in the project goes through these: a temporary sibling is filled, then renamed into
 place (a rename within one folder is atomic on POSIX). On any error the temporary is removed and
-the destination is left as it was; a failing clean-up never hides the original error.
+the destination is left as it was; a failing clean-up never hides the original error. A writer
+killed outright cannot remove its temporary: the next writer of the same path on the same machine
+does.
 
 What is written gets the user's normal mode, as if created with ``open()``/``mkdir``: files
 ``0o666 & ~umask`` (``0o777 & ~umask`` if the writer made them executable), folders
@@ -20,10 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import hashlib
 import mmap
 import os
+import re
 import secrets
 import shutil
+import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -33,10 +39,71 @@ if TYPE_CHECKING:
     from PIL import Image
 
 
+@functools.cache
+def _process_space() -> str:
+    """Eight hex digits naming where this process's id means something: its host and pid namespace.
+
+    Two writers with the same tag see the same processes, so one can tell whether the other is
+    still running; a writer on another machine, or in a container with a pid namespace of its own,
+    sharing the folder, gets another tag.
+    """
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return hashlib.sha256(f"{socket.gethostname()}\0{namespace}".encode()).hexdigest()[:8]
+
+
 def _sibling(path: Path, tag: str) -> Path:
-    # Hidden, unique per process and call (several processes may write the same path); the
-    # suffix is kept because some writers pick the format by it (PIL, papermill).
-    return path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.{tag}{path.suffix}")
+    # Hidden, unique per process and call (several processes may write the same path), naming
+    # the writer (process space and pid) for _remove_abandoned; the suffix is kept because some
+    # writers pick the format by it (PIL, papermill).
+    writer = f"{_process_space()}-{os.getpid()}-{secrets.token_hex(4)}"
+    return path.with_name(f".{path.stem}.{writer}.{tag}{path.suffix}")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_abandoned(path: Path) -> None:
+    """Remove the temporaries of ``path`` whose writers on this machine were killed outright.
+
+    A writer killed by SIGKILL (the out-of-memory killer, a scheduler's time limit) cannot remove
+    its temporary: an interrupted export leaves hundreds of MB hidden beside its destination, and
+    every later attempt would add its own. The next writer of ``path`` removes them. Only this
+    user's temporaries whose names carry this process space (:func:`_sibling`) and a pid that no
+    longer runs are touched: in a folder shared between machines or containers, another writer's
+    pid means nothing here. A folder swapped aside (``.old``) whose writer died before the new one
+    took its place is put back if ``path`` is missing: it is the last complete version.
+    """
+    mine = re.compile(
+        re.escape(f".{path.stem}.{_process_space()}-")
+        + r"(\d+)-[0-9a-f]{8}\.(tmp|old)"
+        + re.escape(path.suffix)
+    )
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        found = mine.fullmatch(name)
+        if found is None or _running(int(found[1])):
+            continue
+        with contextlib.suppress(OSError):
+            if os.lstat(path.parent / name).st_uid != os.getuid():
+                continue
+        if found[2] == "old" and not (path.exists() or path.is_symlink()):
+            with contextlib.suppress(OSError):
+                os.rename(path.parent / name, path)
+            continue
+        discard(path.parent / name)
 
 
 def current_umask() -> int:
@@ -112,6 +179,7 @@ _EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 def _create_temporary(path: Path) -> tuple[Path, int]:
     """Create ``path``'s hidden temporary sibling, empty and new (never an existing name or link)."""
     _make_parent(path)
+    _remove_abandoned(path)
     tmp = _sibling(path, "tmp")
     try:
         return tmp, os.open(tmp, _EXCLUSIVE, 0o666)
@@ -195,9 +263,9 @@ def replace_dir_atomic(
     ``fill(tmp)`` writes the new content into ``tmp``, an empty hidden sibling folder. Then the
     old folder (if any) is renamed aside, ``tmp`` is renamed to ``path`` and the old one is
     deleted. At every moment the old complete folder or the new complete one exists: between the
-    two renames the old one is at its aside name (``.<name>.<pid>-<hex>.old``), and if the second
-    rename fails it is put back. If ``fill`` raises, ``path`` is untouched. The temporary is always
-    removed. The new folder and everything in it get the user's normal modes (:func:`normal_mode`).
+    two renames the old one is at its aside name (``.<name>.<tag>-<pid>-<hex>.old``), and if the
+    second rename fails it is put back. If ``fill`` raises, ``path`` is untouched. The temporary is
+    always removed, by the next writer of ``path`` if this one is killed outright. The new folder and everything in it get the user's normal modes (:func:`normal_mode`).
 
     Args:
         path: the folder to create or replace.
@@ -211,6 +279,7 @@ def replace_dir_atomic(
     """
     path = Path(path)
     _make_parent(path)
+    _remove_abandoned(path)
     tmp = _sibling(path, "tmp")
     try:
         tmp.mkdir()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,81 @@ def test_keep_existing_keeps_a_folder_another_builder_finished_first(tmp_path):
     assert names(tmp_path / "new") == ["a"]
 
 
+KILLED_MID_WRITE = """
+import sys, time
+from helpers.core.files import replace_dir_atomic, write_path_atomic
+
+def fill(tmp):
+    (tmp / "weights.bin").write_bytes(bytes(1 << 20))
+    write_path_atomic(tmp.parent / "model.json", wait)
+
+def wait(tmp):
+    print("writing", flush=True)
+    time.sleep(60)
+
+replace_dir_atomic(sys.argv[1], fill)
+"""
+
+
+def ended_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    process = subprocess.Popen(["true"])
+    process.wait(timeout=30)
+    return process.pid
+
+
+def test_temporaries_of_a_writer_killed_outright_are_removed_by_the_next_writer(tmp_path):
+    """A SIGKILL (the out-of-memory killer) mid-export leaves its temporaries; the next writer of the path removes them.
+
+    A live writer's temporaries and those named for another machine or pid namespace (a shared
+    folder: their pid means nothing here) are kept.
+    """
+    out = tmp_path / "model"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_WRITE, out], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout.readline() == "writing\n"
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    left = {name.endswith(".json"): name for name in names(tmp_path)}
+    pattern = rf"\.model\.{files._process_space()}-{writer.pid}-[0-9a-f]{{8}}\.tmp"
+    assert (
+        len(left) == 2
+        and re.fullmatch(pattern, left[False])
+        and re.fullmatch(pattern + r"\.json", left[True])
+    )
+    assert names(tmp_path / left[False]) == ["weights.bin"]
+    live = f".model.{files._process_space()}-{os.getpid()}-0badcafe.tmp"
+    elsewhere = f".model.0badcafe-{writer.pid}-0badcafe.tmp"
+    for name in (live, elsewhere):
+        (tmp_path / name).mkdir()
+
+    replace_dir_atomic(out, fill_with({"a": "1"}))
+    assert names(tmp_path) == sorted([live, elsewhere, left[True], "model"])  # the file's writer is next
+    write_text_atomic(tmp_path / "model.json", "{}")
+    assert names(tmp_path) == sorted([live, elsewhere, "model", "model.json"])
+    assert names(out) == ["a"] and (tmp_path / "model.json").read_text() == "{}"
+
+
+def test_a_folder_swapped_aside_by_a_writer_killed_outright_is_put_back_first(tmp_path):
+    """Killed between its two renames, a writer leaves the last complete folder aside: it is put back."""
+    out = tmp_path / "model"
+    aside = tmp_path / f".model.{files._process_space()}-{ended_pid()}-0badcafe.old"
+    aside.mkdir()
+    (aside / "a").write_text("complete")
+    seen = []
+
+    def fill(tmp):
+        seen.append(((out / "a").read_text(), len(names(tmp_path))))
+        (tmp / "b").write_text("new")
+
+    replace_dir_atomic(out, fill)
+    assert seen == [("complete", 2)]  # put back, beside this writer's temporary
+    assert names(tmp_path) == ["model"] and names(out) == ["b"] and (out / "b").read_text() == "new"
+
+
 def test_move_dir_into_place_swaps_a_folder_filled_by_name(tmp_path):
     dest, shared = tmp_path / "checkpoint-4", tmp_path / ".checkpoint-4.tmp"  # a name every rank knows
     replace_dir_atomic(dest, fill_with({"old": "1"}))
@@ -190,7 +268,7 @@ def test_a_link_at_the_destination_is_replaced_and_its_target_kept(tmp_path, out
 def test_a_link_planted_at_the_temporary_name_is_refused_not_followed(tmp_path, outside, monkeypatch):
     path = tmp_path / "shared" / "history.json"
     monkeypatch.setattr(files.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name guessed in advance
-    planted = tmp_path / "shared" / f".history.{os.getpid()}-00000000.tmp.json"
+    planted = files._sibling(path, "tmp")
     planted.symlink_to(outside)
     for write in (lambda: write_text_atomic(path, "new"), lambda: write_path_atomic(path, lambda t: None)):
         with pytest.raises(FileExistsError):

@@ -95,8 +95,8 @@ TEXTUAL_INVERSION = RunLayout(
 )
 """The textual-inversion engine's output folder (:mod:`helpers.core.outputs`)."""
 
-# Hidden temporaries are named after what they were becoming: ".<stem>.<pid>-<hex>.tmp<suffix>"
-# (helpers.core.files), ".checkpoint-N.tmp", ".<name>.<pid>-<hex>.old" (a folder swapped out).
+# Hidden temporaries are named after what they were becoming: ".<stem>.<writer>.tmp<suffix>"
+# (helpers.core.files), ".checkpoint-N.tmp", ".<name>.<writer>.old" (a folder swapped out).
 _HIDDEN_STEM = re.compile(r"\.(learned_embeds(?:_2)?-steps-\d+|[A-Za-z_0-9]+)\.")
 
 

@@ -136,7 +136,9 @@ def test_learned_embeds_are_written_under_a_hidden_name_and_a_failed_write_keeps
     monkeypatch.setattr(saving, "save_file", full_disk)
     with pytest.raises(RuntimeError):
         saving.save_learned_embeds(path, "<cat>", torch.zeros(1, 4))
-    assert re.fullmatch(rf"\.learned_embeds\.{os.getpid()}-[0-9a-f]{{8}}\.tmp\.safetensors", written[0].name)
+    assert re.fullmatch(
+        rf"\.learned_embeds\.[0-9a-f]{{8}}-{os.getpid()}-[0-9a-f]{{8}}\.tmp\.safetensors", written[0].name
+    )
     assert written[0].parent == tmp_path and not written[0].exists()
     assert path.read_bytes() == before and load_file(path)["<cat>"].tolist() == [[1.0, 1.0, 1.0, 1.0]]
 
