@@ -20,7 +20,8 @@ one line naming the rank and the cause, e.g. ``rank 1 failed after 12.3 s: kille
 example by the out-of-memory killer``; the ranks' tracebacks go to ``<work_dir>/job.log`` (named in
 that line), not to the screen. Once one rank has exited successfully, the others get
 ``--exit_grace_seconds`` (60) to end; a rank alive without progress for ``--stall_seconds`` (900)
-is stalled. Either way this stops the whole job (TERM, then KILL: the launchers' process trees
+is stalled, and so is a job with a rank that has not started that long after the job did (MPI
+could not spawn it, a node never joined). Either way this stops the whole job (TERM, then KILL: the launchers' process trees
 here, the ranks on other hosts over ssh) and prints one message: the ranks that did not end, their
 last lines, and whether the outputs are complete (``run_summary.json`` written); the exit code is
 0 only if they are. On one machine the rendezvous port is a free one (two jobs side by side both
@@ -99,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="once a rank has exited successfully, seconds the others get to end before the job is "
                              "stopped (a failed rank stops the job at once)")  # fmt: skip
     parser.add_argument("--stall_seconds", type=float, default=900.0,
-                        help="stop the job when a rank makes no progress (no step) for this long")  # fmt: skip
+                        help="stop the job when a rank makes no progress (no step), or has not started, for this long")  # fmt: skip
     parser.add_argument("--dry_run", action="store_true",
                         help="write the configs and print the command of every node; start nothing")  # fmt: skip
     args = parser.parse_args(own)

@@ -261,6 +261,17 @@ CASES = [
          "--nproc_per_node 0: must be at least 1"),
     Case("launch: threads_per_process 0", "launch", ["--threads_per_process", "0", *LAUNCH, "--", *TRAIN],
          "--threads_per_process 0: must be at least 1"),
+    Case("launch: more ranks than this machine can start", "launch", ["--nproc_per_node", "100000", *LAUNCH, "--",
+         *TRAIN], "--nproc_per_node 100000: 100000 ranks on this machine cannot start, each takes ~0.5 GiB"),
+    Case("launch: train_data_dir not set", "launch", [*LAUNCH, "--", "--output_dir", "{tmp}/out"],
+         "train_data_dir is not set. Fix: pass a folder of 3-5 images of your concept"),
+    Case("launch: a finished run in output_dir", "launch", [*LAUNCH, "--", *TRAIN], "output_dir {tmp}/out already "
+         "holds a finished run (run_summary.json)", files={"out/run_summary.json": "{}", "out/train_config.yaml": ""}),
+    Case("launch: dreambooth, a finished run in output_dir", "launch", [*LAUNCH, "--module", "helpers.dreambooth",
+         "--", *DREAM], "output_dir {tmp}/out already holds a finished run (run_summary.json)",
+         files={"out/run_summary.json": "{}", "out/dreambooth_config.yaml": ""}),
+    Case("launch: dreambooth, no checkpoint to resume", "launch", [*LAUNCH, "--module", "helpers.dreambooth", "--",
+         *DREAM, "--resume_from_checkpoint", "latest"], "no checkpoint", files={"out/dreambooth_config.yaml": ""}),
     Case("launch: adam_beta1 1.5", "launch", ["--launcher", "torchrun", "--dry_run", "--", *TRAIN, "--adam_beta1",
          "1.5"], "adam_beta1='1.5': must be at least 0 and less than 1"),
     # --- argparse's usage errors: one line naming --help, not the whole usage ------------------------

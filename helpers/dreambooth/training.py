@@ -43,12 +43,12 @@ from helpers.core import cpu
 from helpers.dreambooth import class_images, saving
 from helpers.dreambooth.config import DreamBoothConfig
 from helpers.dreambooth.data import DreamBoothPairs, ImageViews
+from helpers.dreambooth.inputs import CheckedInputs, check_inputs
 from helpers.dreambooth.lora import add_lora
 from helpers.ranks import status
 from helpers.training import data, families, models
 from helpers.training.config import prepacks
 from helpers.training.engine import events, limits, loop, prepack
-from helpers.training.engine.folder import OutputFolder, check_output_dir
 from helpers.training.engine.setup import make_lr_scheduler, start_accelerator, training_steps
 from helpers.training.engine.step import EpochSampler, Names, Update, apply_update, cache_latents, draw_batch
 from helpers.training.families import Conditioning, Family, ImageSizes, sd1
@@ -92,39 +92,6 @@ def prior_preservation_loss(
 
 
 # --- inputs ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CheckedInputs:
-    """What :func:`check_inputs` found: the output folder's state, the checkpoint to resume, the model's family."""
-
-    folder: OutputFolder
-    checkpoint: Path | None
-    family: Family = sd1.FAMILY
-
-
-def check_inputs(config: DreamBoothConfig) -> CheckedInputs:
-    """Every cheap check of a run, before any model loads and before anything is written.
-
-    The output folder as the textual-inversion engine checks it
-    (:func:`helpers.training.engine.folder.check_output_dir`: not in use, no finished or interrupted
-    run these settings would clobber), the pictures, and the checkpoint to resume
-    (:func:`helpers.training.engine.loop.check_resume`), then the model's family (from its
-    ``model_index.json``: a family this package cannot train is refused).
-
-    Raises:
-        InputError: a missing or unusable folder, a folder in use or holding another run, no
-            checkpoint, a model of an unsupported family.
-    """
-    folder = check_output_dir(config, saving.DREAMBOOTH)
-    pictures = len(data.validate_image_folder(config.instance_data_dir, min_size=config.resolution))
-    limits.check_batch_size(config.train_batch_size, pictures, f"{pictures} subject pictures")
-    if config.with_prior_preservation:
-        class_images.check_folder(config)
-        class_images.image_files(config.class_data_dir, min_size=config.resolution)  # corrupt files, now
-    checkpoint = loop.check_resume(config, folder)
-    model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
-    return CheckedInputs(folder, checkpoint, families.family_of(model_dir))
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -393,7 +360,11 @@ class DreamBoothLora(loop.Method):
     identical_key = "lora_identical_across_ranks"
 
     def check_inputs(self, config: DreamBoothConfig) -> CheckedInputs:
-        return check_inputs(config)
+        """:func:`check_inputs`, then the model resolved and its family read (from its
+        ``model_index.json``: a family this package cannot train is refused)."""
+        checked = check_inputs(config)
+        model_dir = models.resolve_model(config.pretrained_model_name_or_path, config.revision)
+        return dataclasses.replace(checked, family=families.family_of(model_dir))
 
     def setup(self, config: DreamBoothConfig, checked: CheckedInputs) -> Run:
         return setup_run(config)

@@ -139,6 +139,7 @@ class LaunchCommand:
     rank_offset: int = 0  # global rank of this command's local rank 0 (torchrun)
     status_dir: str | None = None  # the ranks' status folder (helpers.launching.supervise), if they report
     output_dir: str | None = None  # the run's output_dir, where run_summary.json marks it complete
+    world_size: int | None = None  # the job's ranks in all, each expected to report (status_dir)
     notes: tuple[str, ...] = ()  # why the backend's variables are set ("NAME=value: reason"), dry run
 
     def shell(self) -> str:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import TextIO
 
 from helpers.core import cpu
 from helpers.core.errors import DistributedError
+from helpers.dreambooth import inputs as dreambooth_inputs
 from helpers.dreambooth.config import parse_args as parse_dreambooth_args
 from helpers.launching import accelerate_config, preflight, ray_train, supervise
 from helpers.launching.commands import LaunchCommand, detect_mpi_flavour, find_mpirun, launch_commands
@@ -28,6 +30,7 @@ from helpers.launching.layout import ClusterLayout, is_local_host, write_hostfil
 from helpers.launching.rank_output import Output, diagnose
 from helpers.ranks.backend import resolve_backend
 from helpers.ranks.status import STATUS_DIR_ENV
+from helpers.training import inputs as training_inputs
 from helpers.training import models, models_xl
 from helpers.training.config import parse_args as parse_train_args
 from helpers.training.config import prepacks
@@ -136,7 +139,8 @@ def run_job(
             before this stops the job. A failure (a rank that exits without succeeding, killed
             outright included, or a command exiting non-zero) stops the job at once; a rank that
             printed its error gets :data:`FAILURE_GRACE_SECONDS` to exit by itself.
-        stall_seconds: stop the job when a rank alive has reported no progress for this long.
+        stall_seconds: stop the job when a rank alive has reported no progress for this long, or
+            when a rank of the job's ``world_size`` has not started this long after the job did.
         timeout: kill the job after this many seconds in all (None: no limit).
         ssh: the ssh command for commands that run on another host.
         cwd: working folder of the job (on every host).
@@ -153,7 +157,7 @@ def run_job(
     check_seconds(exit_grace_seconds=exit_grace_seconds, stall_seconds=stall_seconds)
     cwd = os.path.abspath(cwd or os.getcwd())
     status_dir = commands[0].status_dir
-    watcher = supervise.Watcher(supervise.prepare(status_dir)) if status_dir else None
+    watcher = supervise.Watcher(supervise.prepare(status_dir), commands[0].world_size) if status_dir else None
     if log_path is None and status_dir:
         log_path = Path(status_dir).parent / JOB_LOG
     log = _open_log(log_path) if log_path else None
@@ -372,7 +376,10 @@ def prepare_job(
     Returns:
         The commands to pass to :func:`run_job`.
     """
-    config = _parse_train_flags(module, train_args)
+    rank0_here = ray_address is None if launcher == "ray" else is_local_host(layout.hosts[0])
+    config = _check_train_flags(module, train_args, rank0_here)
+    if launcher != "ray":  # Ray's private runtime is held to this machine's CPUs (check_local_layout)
+        preflight.check_ranks_fit(layout.nproc_per_node, sum(is_local_host(h) for h in layout.hosts))
     here = ray_address is None if launcher == "ray" else layout.is_local  # every rank on this machine
     backend = resolve_backend(backend, one_machine=here)
     output_dir = Path(config.output_dir).resolve()
@@ -406,20 +413,39 @@ def prepare_job(
         )  # fmt: skip
     # Last, once nothing can fail: a refused flag stays the one line printed.
     _warn_if_short_of_memory(layout, config, launcher, module, ray_address)
-    return [dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir)) for c in commands]
+    world_size = layout.nproc_per_node * (num_nodes if launcher == "ray" else layout.num_machines)
+    return [
+        dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir), world_size=world_size)
+        for c in commands
+    ]
 
 
-def _parse_train_flags(module: str, train_args: Sequence[str]):
-    """The flags of ``module`` parsed as its ranks will parse them; its data folder must be one here."""
+def _check_train_flags(module: str, train_args: Sequence[str], rank0_here: bool):
+    """The flags of ``module`` parsed as its ranks will parse them; its data folder must be one here.
+
+    Where rank 0 runs on this machine (it owns the output folder), also the run's own cheap checks,
+    as its ranks would run them first (:mod:`helpers.training.inputs`, :mod:`helpers.dreambooth.inputs`):
+    the output folder (a finished run that would be clobbered, a folder in use), the pictures, the
+    checkpoint to resume. So those are one line and exit 2 before any rank starts, and before this
+    writes its ``launch/`` folder into the output folder.
+    """
     if module == "helpers.dreambooth":
-        config, data_flag = parse_dreambooth_args(list(train_args)), "instance_data_dir"
+        config, data_flag, checks = (
+            parse_dreambooth_args(list(train_args)),
+            "instance_data_dir",
+            dreambooth_inputs,
+        )
     else:
-        config, data_flag = parse_train_args(list(train_args)), "train_data_dir"
+        config, data_flag, checks = parse_train_args(list(train_args)), "train_data_dir", training_inputs
     if getattr(config, data_flag) and not Path(getattr(config, data_flag)).is_dir():
         raise DistributedError(
             f"--{data_flag} {getattr(config, data_flag)} is not a folder here; give the concept images' folder "
             "(the same path on every node)"
         )
+    if rank0_here:
+        with warnings.catch_warnings():  # e.g. small pictures: the ranks warn, once each run
+            warnings.simplefilter("ignore")
+            checks.check_inputs(config)
     return config
 
 

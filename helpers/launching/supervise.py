@@ -157,11 +157,16 @@ class RankState:
 
 
 class Watcher:
-    """Polls the status folder; says which ranks exited, which still run, which stalled."""
+    """Polls the status folder; says which ranks exited, which still run, which stalled, and which
+    of the job's ``world_size`` ranks never started (none known without it)."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(
+        self, folder: str | os.PathLike, world_size: int | None = None, started: float | None = None
+    ):
         self.folder = Path(folder)
         self.ranks: dict[int, RankState] = {}
+        self.world_size = world_size
+        self.started = time.monotonic() if started is None else started  # the launcher's clock
 
     def poll(self, now: float | None = None) -> dict[int, RankState]:
         now = time.monotonic() if now is None else now
@@ -204,6 +209,10 @@ class Watcher:
     def running(self) -> list[int]:
         return sorted(r for r, s in self.ranks.items() if s.alive)
 
+    def missing(self) -> list[int]:
+        """The job's ranks that have not started: no lock of theirs in the folder yet."""
+        return [r for r in range(self.world_size or 0) if r not in self.ranks]
+
     def stalled(self, now: float, stall_seconds: float) -> list[int]:
         """Alive ranks whose beats have not moved for ``stall_seconds``.
 
@@ -233,6 +242,12 @@ class Watcher:
                     f"every rank exited, but the launcher did not end within {exit_grace:g} s; "
                     "helpers.launch stopped it."
                 )
+        missing = self.missing()  # e.g. MPI could not spawn them, or a node never joined
+        if missing and now - self.started > stall_seconds:
+            return running, (
+                f"{_ranks(missing)} of {self.world_size} did not start within {stall_seconds:g} s of the "
+                "job's start (no status report); helpers.launch stopped the job."
+            )
         stalled = self.stalled(now, stall_seconds)
         if stalled:
             where = "; ".join(
@@ -247,7 +262,17 @@ class Watcher:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    """``rank 3``, ``ranks 0, 2`` or, for runs of three or more, ``ranks 0, 4-99``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
+    return "ranks " + ", ".join(parts)
 
 
 def outputs(output_dir: str | None, since: float) -> tuple[bool | None, str]:

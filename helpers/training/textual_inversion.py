@@ -28,11 +28,9 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from helpers.core import cpu
 from helpers.core.outputs import LEARNED_EMBEDS, MODEL_INDEX, SAMPLES
 from helpers.ranks import status
 from helpers.training import data, families, models
@@ -40,13 +38,7 @@ from helpers.training.config import TrainConfig
 from helpers.training.engine import TrainingInputError, events, limits, loop, tracking
 from helpers.training.engine.checkpoints import checkpoint_step
 from helpers.training.engine.encoder_rows import save_encoder_embeds
-from helpers.training.engine.folder import (
-    TEXTUAL_INVERSION,
-    OutputFolder,
-    check_output_dir,
-    checkpoint_settings,
-    inspect_output_dir,
-)
+from helpers.training.engine.folder import TEXTUAL_INVERSION, checkpoint_settings, inspect_output_dir
 from helpers.training.engine.rows import (
     EmbeddingHook,
     LearnedEmbeddings,
@@ -74,7 +66,7 @@ from helpers.training.engine.step import (
     sample_generator,
     training_step,
 )
-from helpers.training.families import Family, sd1
+from helpers.training.inputs import CheckedInputs, check_inputs
 
 __all__ = [
     "AllreduceCounter",
@@ -124,46 +116,6 @@ class TrainResult:
     placeholder_tokens: list[str]
     history: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CheckedInputs:
-    """What :func:`check_inputs` found: the images, the output folder's state, the checkpoint to resume
-    (and, once resolved, the base model's folder, its family and its tokenizers, one per text encoder)."""
-
-    images: list[Path]
-    folder: OutputFolder
-    checkpoint: Path | None
-    model_dir: Path | None = None
-    tokenizer: Any = None
-    family: Family = sd1.FAMILY
-    tokenizer_2: Any = None
-
-
-def check_inputs(config: TrainConfig) -> CheckedInputs:
-    """Every cheap check of a run, before any model is resolved or loaded.
-
-    IPEX if asked for, the output folder (:func:`helpers.training.engine.folder.check_output_dir`),
-    the images and the checkpoint to resume (:func:`helpers.training.engine.loop.check_resume`).
-
-    Raises:
-        TrainingInputError, helpers.training.data.ImageFolderError: one message with the fix.
-    """
-    if config.train_data_dir is None:
-        raise TrainingInputError(
-            "train_data_dir is not set. Fix: pass a folder of 3-5 images of your concept, "
-            f"or the bundled sample: --train_data_dir {data.sample_concept_dir()}"
-        )
-    if config.use_ipex and (problem := cpu.ipex_problem()):
-        raise TrainingInputError(f"use_ipex: {problem}. Fix: {cpu.IPEX_FIX}, or leave use_ipex off.")
-    folder = check_output_dir(config)
-    images = data.validate_image_folder(config.train_data_dir, min_size=config.resolution)
-    limits.check_batch_size(
-        config.train_batch_size,
-        len(images) * config.repeats,
-        f"{len(images)} pictures x repeats {config.repeats}",
-    )
-    return CheckedInputs(images, folder, loop.check_resume(config, folder))
 
 
 def train(config: TrainConfig) -> TrainResult:

@@ -64,6 +64,19 @@ def test_the_timeout_stops_the_job():
     assert result.killed and not result.ok and result.returncode != 0
 
 
+def test_ranks_that_never_start_stop_the_job_after_the_stall_limit(tmp_path):
+    """A launcher that runs but never starts its ranks (MPI out of file descriptors, a node that never
+    joins) is stopped once ``stall_seconds`` have passed without their reports, as a stalled rank is."""
+    started = time.monotonic()
+    command = LaunchCommand(("sleep", "600"), status_dir=str(tmp_path / "status"), world_size=2)
+    result = job.run_job([command], stream=io.StringIO(), stall_seconds=3, log_path=tmp_path / "job.log")
+    assert 3 < time.monotonic() - started < 30 and result.killed and result.returncode == 1
+    assert result.supervision.splitlines()[0] == (
+        "ranks 0, 1 of 2 did not start within 3 s of the job's start (no status report); helpers.launch "
+        "stopped the job. Outputs unknown: no output_dir known to helpers.launch."
+    )
+
+
 def test_a_link_planted_where_the_job_writes_is_refused_and_its_target_kept(tmp_path, capsys, monkeypatch):
     """``<output_dir>/launch`` (emptied at every start) and ``job.log`` (truncated) never follow a link:
     one line and exit 2 before anything starts; the file the link points to keeps its content."""

@@ -70,6 +70,26 @@ def test_watcher_sees_exit_stall_and_waiting_ranks(tmp_path):
             p.wait()
 
 
+def test_ranks_of_the_job_that_never_report_are_named_after_the_stall_limit(tmp_path):
+    folder = supervise.prepare(tmp_path / "status")
+    ranks = {r: start_rank(folder, r, "training") for r in (0, 2)}
+    try:
+        watcher = supervise.Watcher(folder, world_size=100, started=100.0)
+        watcher.poll(now=100.0)
+        assert watcher.missing() == [1, *range(3, 100)] and watcher.running() == [0, 2]
+        assert watcher.verdict(130.0, 5, 30, launcher_running=True) is None  # 30 s: not yet more than 30
+        assert watcher.verdict(130.5, 5, 30, launcher_running=True) == (
+            [0, 2],
+            "ranks 1, 3-99 of 100 did not start within 30 s of the job's start (no status report); "
+            "helpers.launch stopped the job.",
+        )
+        assert supervise.Watcher(folder).missing() == []  # no world size: nothing is expected
+    finally:
+        for p in ranks.values():
+            p.kill()
+            p.wait()
+
+
 def test_a_rank_that_exits_without_reporting_done_is_a_failure_one_that_reported_it_is_not(tmp_path):
     """A free lock after ``done`` is a rank that succeeded (the others get the exit grace); a free
     lock without it is a failure, SIGKILL included (the launcher stops the job at once)."""

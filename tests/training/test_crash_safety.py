@@ -47,7 +47,7 @@ from helpers.training import models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import TrainConfig
 from helpers.training.engine import checkpoints, encoder_rows, loop
-from helpers.training.engine.folder import hold_output_dir
+from helpers.training.engine.folder import check_output_dir, hold_output_dir
 
 STEPS = 4
 
@@ -523,9 +523,9 @@ def test_ctrl_c_before_the_first_checkpoint_says_start_over_and_the_same_command
     assert err.rstrip().splitlines()[-1] == checkpoints.START_OVER and "Traceback" not in err
     assert ti.inspect_output_dir(out).state == "interrupted" and not checkpoints.list_checkpoints(out)
     with pytest.raises(ti.TrainingInputError, match="holds an interrupted run .*no checkpoint"):
-        ti.check_output_dir(parse_args([*flags, "--seed", "4"]))  # another command: still that run's folder
+        check_output_dir(parse_args([*flags, "--seed", "4"]))  # another command: still that run's folder
     same = parse_args(flags)
-    assert ti.check_output_dir(same).state == "interrupted"
+    assert check_output_dir(same).state == "interrupted"
     with hold_output_dir(same):
         assert sorted(p.name for p in out.iterdir()) == [".output_dir.lock"]  # ready to start over
 
