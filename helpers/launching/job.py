@@ -420,6 +420,13 @@ def prepare_job(
     ]
 
 
+# Per module of TRAIN_MODULES: its flags' parser, its data folder's flag, its cheap checks.
+_METHOD_CHECKS = {
+    "helpers.train": (parse_train_args, "train_data_dir", training_inputs),
+    "helpers.dreambooth": (parse_dreambooth_args, "instance_data_dir", dreambooth_inputs),
+}
+
+
 def _check_train_flags(module: str, train_args: Sequence[str], rank0_here: bool):
     """The flags of ``module`` parsed as its ranks will parse them; its data folder must be one here.
 
@@ -429,14 +436,8 @@ def _check_train_flags(module: str, train_args: Sequence[str], rank0_here: bool)
     checkpoint to resume. So those are one line and exit 2 before any rank starts, and before this
     writes its ``launch/`` folder into the output folder.
     """
-    if module == "helpers.dreambooth":
-        config, data_flag, checks = (
-            parse_dreambooth_args(list(train_args)),
-            "instance_data_dir",
-            dreambooth_inputs,
-        )
-    else:
-        config, data_flag, checks = parse_train_args(list(train_args)), "train_data_dir", training_inputs
+    parse, data_flag, checks = _METHOD_CHECKS[module]
+    config = parse(list(train_args))
     if getattr(config, data_flag) and not Path(getattr(config, data_flag)).is_dir():
         raise DistributedError(
             f"--{data_flag} {getattr(config, data_flag)} is not a folder here; give the concept images' folder "
