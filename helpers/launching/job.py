@@ -376,12 +376,17 @@ def prepare_job(
     Returns:
         The commands to pass to :func:`run_job`.
     """
-    rank0_here = ray_address is None if launcher == "ray" else is_local_host(layout.hosts[0])
+    # This machine's part in the job: its nodes of the layout, whether it runs rank 0, every rank.
+    if launcher == "ray":  # the private runtime is this machine; a Ray cluster places the workers itself
+        nodes_here = 0 if ray_address else 1
+        rank0_here = every_rank_here = ray_address is None
+    else:
+        nodes_here = sum(is_local_host(host) for host in layout.hosts)
+        rank0_here, every_rank_here = is_local_host(layout.hosts[0]), layout.is_local
     config = _check_train_flags(module, train_args, rank0_here)
     if launcher != "ray":  # Ray's private runtime is held to this machine's CPUs (check_local_layout)
-        preflight.check_ranks_fit(layout.nproc_per_node, sum(is_local_host(h) for h in layout.hosts))
-    here = ray_address is None if launcher == "ray" else layout.is_local  # every rank on this machine
-    backend = resolve_backend(backend, one_machine=here)
+        preflight.check_ranks_fit(layout.nproc_per_node, nodes_here)
+    backend = resolve_backend(backend, one_machine=every_rank_here)
     output_dir = Path(config.output_dir).resolve()
     work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
     for path in (work_dir, work_dir / "status", work_dir / JOB_LOG):  # emptied or written at every start
@@ -412,7 +417,7 @@ def prepare_job(
             **kwargs,
         )  # fmt: skip
     # Last, once nothing can fail: a refused flag stays the one line printed.
-    _warn_if_short_of_memory(layout, config, launcher, module, ray_address)
+    _warn_if_short_of_memory(layout, config, module, nodes_here)
     world_size = layout.nproc_per_node * (num_nodes if launcher == "ray" else layout.num_machines)
     return [
         dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir), world_size=world_size)
@@ -450,25 +455,19 @@ def _check_train_flags(module: str, train_args: Sequence[str], rank0_here: bool)
     return config
 
 
-def _warn_if_short_of_memory(
-    layout: ClusterLayout, config, launcher: str, module: str, ray_address: str | None
-) -> None:
+def _warn_if_short_of_memory(layout: ClusterLayout, config, module: str, nodes_here: int) -> None:
     """Print :func:`helpers.launching.preflight.memory_warning` on stderr when this machine's ranks need
     more memory than it has.
 
     Only where a measurement applies and this machine is known to run ranks: ``helpers.train``
     (DreamBooth's memory is not measured) on a model of Stable Diffusion v1.5's or SDXL's layer sizes
     (not the offline toy models, nor a local folder with another UNet) in a precision and prepacking
-    measured for it, on a host of the layout or in Ray's private runtime here. Other nodes' memory
-    cannot be read from here and is not checked.
+    measured for it, on a host of the layout or in Ray's private runtime here (``nodes_here``: the
+    nodes of the job this machine is). Other nodes' memory cannot be read from here and is not checked.
     """
     shape = _measured_shape(config.pretrained_model_name_or_path)
     if module != "helpers.train" or shape is None:
         return
-    if launcher == "ray":
-        nodes_here = 0 if ray_address else 1  # a Ray cluster places the workers itself
-    else:
-        nodes_here = sum(is_local_host(host) for host in layout.hosts)
     if not nodes_here:
         return
     precision = cpu.choose_precision(config.mixed_precision).mixed_precision  # as this CPU's ranks will
