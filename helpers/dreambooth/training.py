@@ -91,9 +91,6 @@ def prior_preservation_loss(
     return instance + prior_loss_weight * prior, instance, prior
 
 
-# --- inputs ----------------------------------------------------------------------------------------
-
-
 # --- the run -------------------------------------------------------------------------------------
 
 LORA = Names(
