@@ -54,14 +54,16 @@ XEON_BF16 = "Intel Xeon (AVX512-BF16, no AMX)"
 MEASURED: tuple[StepTime, ...] = (
     StepTime(EPYC, True, False, 2, 256, 1, "bf16", 1.42, 2.87, "bench/results/train_step-sd15-shape-256px-bf16.json"),
     StepTime(EPYC, True, False, 2, 256, 1, "no", 2.31, 4.45, "bench/results/train_step-sd15-shape-256px.json"),
-    StepTime(XEON_AMX, True, True, 2, 256, 1, "bf16", 0.70, 1.62,
+    StepTime(XEON_AMX, True, True, 2, 256, 1, "bf16", 0.72, 1.92,
              "bench/results/xeon-amx/train_step-sd15-shape-256px-bf16.json"),
-    StepTime(XEON_AMX, True, True, 2, 256, 1, "no", 1.70, 3.10,
+    StepTime(XEON_AMX, True, True, 2, 256, 1, "no", 1.97, 3.51,
              "bench/results/xeon-amx/train_step-sd15-shape-256px.json"),
     StepTime(XEON_BF16, True, False, 2, 512, 1, "bf16", 29.05, 42.78,
              "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-512px-3steps-bf16.json", "sdxl"),
     StepTime(XEON_BF16, True, False, 2, 256, 1, "no", 9.06, 10.82,
              "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-256px-3steps-fp32-unpacked.json", "sdxl"),
+    StepTime(XEON_AMX, True, True, 2, 512, 1, "bf16", 4.76, 9.78,
+             "bench/results/xeon-amx/end_to_end-sdxl-shape-512px-6steps-bf16.json", "sdxl"),
 )  # fmt: skip
 
 
