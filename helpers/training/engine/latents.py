@@ -17,7 +17,7 @@ Key of an entry, the SHA-256 of:
 * the VAE's files (``vae/`` of the model: config and weights, each hashed by content; a large
   file's digest is remembered under ``files/`` by its path, size, mtime and inode);
 * how the encoder computes: torch and diffusers versions, the CPU capability torch dispatches to
-  (AVX2, AVX512, ...), the number of threads, float32;
+  (AVX2, AVX512, ...), the number of threads, the dtype, the pixels' memory layout;
 * each view of the call, in order: the image file's bytes, flipped or not, the resolution, the
   centre crop, and the pixels given to the encoder (which also covers the resizing filter and
   Pillow's version).
@@ -50,7 +50,7 @@ import torch
 from helpers.core import cpu
 from helpers.core.files import write_bytes_atomic, write_path_atomic
 from helpers.training import data, models
-from helpers.training.engine.step import encode_views, view_batches
+from helpers.training.engine.step import PIXEL_LAYOUT, encode_views, view_batches
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def vae_digest(model_dir: str | os.PathLike, memo_dir: Path | None = None) -> st
 
 
 def encoder_context(dtype: torch.dtype = torch.float32) -> dict:
-    """What else decides the encoder's rounding here (versions, CPU kernels, threads, ``dtype``).
+    """What else decides the encoder's rounding here (versions, CPU kernels, threads, ``dtype``, layout).
 
     Once imported (``use_ipex``), IPEX replaces operator kernels process-wide, the VAE's among them.
     """
@@ -145,6 +145,7 @@ def encoder_context(dtype: torch.dtype = torch.float32) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."),
+        "pixel_layout": str(PIXEL_LAYOUT).removeprefix("torch."),
         "ipex": getattr(ipex, "__version__", None),
     }
 

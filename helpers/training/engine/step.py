@@ -55,6 +55,12 @@ LATENT_BATCH = 4
 """Views per VAE call. The encoder's rounding depends on the batch (measured: 2e-6 between batches
 of 1 and 4), so the persistent latent cache (:mod:`helpers.training.engine.latents`) keeps whole batches."""
 
+PIXEL_LAYOUT = torch.channels_last
+"""The memory layout of the pixels the VAE encodes. oneDNN's convolutions take channels-last input
+without reordering it at every layer: measured, 4 views at 512 px in bf16 on a Xeon with AMX
+12.1 s -> 3.3 s, and 1.05-1.2x in fp32 on AMX and AVX-512 machines, latents equal to 5e-6 in fp32.
+The layout is part of the latent cache's key, since it changes the encoder's rounding."""
+
 
 def view_batches(num_views: int, batch_size: int = LATENT_BATCH) -> list[range]:
     """The views each VAE call of :func:`cache_latents` encodes, in order."""
@@ -67,6 +73,7 @@ def encode_views(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One VAE call on these views; the latent distributions' mean and std (float32)."""
     pixels = torch.stack([dataset.view_pixels(v) for v in views]).to(vae.dtype)
+    pixels = pixels.contiguous(memory_format=PIXEL_LAYOUT)
     dist = vae.encode(pixels).latent_dist
     return dist.mean.float(), dist.std.float()
 
