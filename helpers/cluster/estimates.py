@@ -62,7 +62,7 @@ MEASURED: tuple[StepTime, ...] = (
              "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-512px-3steps-bf16.json", "sdxl"),
     StepTime(XEON_BF16, True, False, 2, 256, 1, "no", 9.06, 10.82,
              "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-256px-3steps-fp32-unpacked.json", "sdxl"),
-    StepTime(XEON_AMX, True, True, 2, 512, 1, "bf16", 4.76, 9.78,
+    StepTime(XEON_AMX, True, True, 2, 512, 1, "bf16", 4.89, 9.28,
              "bench/results/xeon-amx/end_to_end-sdxl-shape-512px-6steps-bf16.json", "sdxl"),
 )  # fmt: skip
 
