@@ -50,7 +50,7 @@ import torch
 from helpers.core import cpu
 from helpers.core.files import write_bytes_atomic, write_path_atomic
 from helpers.training import data, models
-from helpers.training.engine.step import PIXEL_LAYOUT, encode_views, view_batches
+from helpers.training.engine.step import encode_views, pixel_layout, view_batches
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def encoder_context(dtype: torch.dtype = torch.float32) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."),
-        "pixel_layout": str(PIXEL_LAYOUT).removeprefix("torch."),
+        "pixel_layout": str(pixel_layout(dtype)).removeprefix("torch."),
         "ipex": getattr(ipex, "__version__", None),
     }
 

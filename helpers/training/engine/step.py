@@ -55,11 +55,16 @@ LATENT_BATCH = 4
 """Views per VAE call. The encoder's rounding depends on the batch (measured: 2e-6 between batches
 of 1 and 4), so the persistent latent cache (:mod:`helpers.training.engine.latents`) keeps whole batches."""
 
-PIXEL_LAYOUT = torch.channels_last
-"""The memory layout of the pixels the VAE encodes. oneDNN's convolutions take channels-last input
-without reordering it at every layer: measured, 4 views at 512 px in bf16 on a Xeon with AMX
-12.1 s -> 3.3 s, and 1.05-1.2x in fp32 on AMX and AVX-512 machines, latents equal to 5e-6 in fp32.
-The layout is part of the latent cache's key, since it changes the encoder's rounding."""
+
+def pixel_layout(dtype: torch.dtype) -> torch.memory_format:
+    """The memory layout of the pixels the VAE encodes in ``dtype``: channels-last in bf16, where
+    oneDNN's convolutions then skip reordering their activations at every layer (measured on a Xeon
+    with AMX, 4 views: 2.9 -> 1.2 s at 256 px, 16.8 -> 6.8 s at 512 px; 1.25x on an AVX-512 EPYC).
+    fp32 keeps the plain layout: there it bought 1.09x, and its different rounding (2.5e-5 on the
+    tiny model's latents) flipped the sign of one small element of the placeholder's gradient
+    between the launcher tests' 2 x batch 1 and 1 x batch 2 runs (AdamW's first step is about
+    lr x sign: the rows then differed by 2 lr). The layout is part of the latent cache's key."""
+    return torch.channels_last if dtype == torch.bfloat16 else torch.contiguous_format
 
 
 def view_batches(num_views: int, batch_size: int = LATENT_BATCH) -> list[range]:
@@ -73,9 +78,9 @@ def encode_views(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One VAE call on these views; the latent distributions' mean and std (float32)."""
     pixels = torch.stack([dataset.view_pixels(v) for v in views]).to(vae.dtype)
-    pixels = pixels.contiguous(memory_format=PIXEL_LAYOUT)
+    pixels = pixels.contiguous(memory_format=pixel_layout(vae.dtype))
     dist = vae.encode(pixels).latent_dist
-    return dist.mean.float(), dist.std.float()
+    return dist.mean.float().contiguous(), dist.std.float().contiguous()  # as a cache entry reads back
 
 
 def cache_latents(
