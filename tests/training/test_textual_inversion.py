@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -17,7 +18,7 @@ from helpers.training import data, families, models
 from helpers.training import textual_inversion as ti
 from helpers.training.config import TrainConfig
 from helpers.training.engine import events
-from helpers.training.engine.step import pixel_layout
+from helpers.training.engine.step import encode_views, pixel_layout
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +157,22 @@ def test_cached_latents_equal_encoding_each_view(components):
             torch.testing.assert_close(std[v], dist.std[0], rtol=1e-5, atol=1e-5)
     # flipped views are really different pixels, hence different latents
     assert not torch.allclose(mean[0], mean[1])
+
+
+def test_bf16_views_reach_the_vae_channels_last_and_come_back_contiguous(components):
+    """bf16 encodes channels-last pixels (oneDNN's fast layout), fp32 plain ones; the latents come
+    back contiguous either way, as a latent cache entry reads back, so cold and warm runs agree."""
+    tok = models.build_clip_tokenizer()
+    ds = data.ConceptDataset(data.sample_concept_dir(), tok, "<x>", size=64, repeats=1)
+    for dtype, channels_last in ((torch.bfloat16, True), (torch.float32, False)):
+        vae = copy.deepcopy(components.vae).to(dtype)
+        seen: list[bool] = []
+        vae.encoder.conv_in.register_forward_pre_hook(
+            lambda _, args, seen=seen: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+        )
+        mean, std = encode_views(vae, ds, range(3))
+        assert seen == [channels_last]
+        assert mean.dtype == std.dtype == torch.float32 and mean.is_contiguous() and std.is_contiguous()
 
 
 def test_sample_draws_are_keyed_not_stateful():
