@@ -38,6 +38,16 @@ def pytest_configure(config):
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_latent_cache(tmp_path_factory):
+    """The session's own latent cache, for what module- and session-scoped fixtures train (the
+    per-test one below does not reach them): never the user's, so a second session on a machine
+    encodes as the first did."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WORKSHOP_LATENT_CACHE", str(tmp_path_factory.mktemp("session-latent-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def latent_cache_dir(tmp_path_factory, monkeypatch) -> Path:
     """Each test's own empty latent cache (helpers.training.engine.latents), never the user's: every run in
