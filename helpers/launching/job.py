@@ -389,11 +389,7 @@ def prepare_job(
     backend = resolve_backend(backend, one_machine=every_rank_here)
     output_dir = Path(config.output_dir).resolve()
     work_dir = Path(work_dir) if work_dir is not None else output_dir / "launch"
-    for path in (work_dir, work_dir / "status", work_dir / JOB_LOG):  # emptied or written at every start
-        if path.is_symlink():
-            raise DistributedError(
-                f"{path} is a symbolic link: remove it, or pass another --work_dir (the job empties and writes it)"
-            )
+    _refuse_linked_work_dir(work_dir)
     status_dir = str((work_dir / "status").resolve())
     if launcher == "ray":
         commands = [ray_train.driver_command(
@@ -403,14 +399,7 @@ def prepare_job(
         )]  # fmt: skip
     else:
         configs = accelerate_config.write_accelerate_configs(layout, work_dir, config.mixed_precision)
-        kwargs = {}
-        if launcher == "mpirun":
-            mpirun = mpirun or find_mpirun()
-            flavour = detect_mpi_flavour(mpirun)
-            hostfile = work_dir / "hostfile"
-            if not layout.is_local:
-                write_hostfile(layout, hostfile, flavour)
-            kwargs = dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=configs[0])
+        kwargs = _mpirun_kwargs(layout, work_dir, mpirun, configs[0]) if launcher == "mpirun" else {}
         commands = launch_commands(
             layout, train_args, launcher, backend=backend,
             extra_env={STATUS_DIR_ENV: status_dir}, entry=("-m", module), log_dir=work_dir / "torchrun",
@@ -423,6 +412,26 @@ def prepare_job(
         dataclasses.replace(c, status_dir=status_dir, output_dir=str(output_dir), world_size=world_size)
         for c in commands
     ]
+
+
+def _refuse_linked_work_dir(work_dir: Path) -> None:
+    """A symbolic link where the job empties or writes (a planted one would redirect the writes) is a
+    :class:`DistributedError`."""
+    for path in (work_dir, work_dir / "status", work_dir / JOB_LOG):  # emptied or written at every start
+        if path.is_symlink():
+            raise DistributedError(
+                f"{path} is a symbolic link: remove it, or pass another --work_dir (the job empties and writes it)"
+            )
+
+
+def _mpirun_kwargs(layout: ClusterLayout, work_dir: Path, mpirun: str | None, config_file: Path) -> dict:
+    """mpirun's part of :func:`launch_commands`' arguments; the hostfile written for a multi-node layout."""
+    mpirun = mpirun or find_mpirun()
+    flavour = detect_mpi_flavour(mpirun)
+    hostfile = work_dir / "hostfile"
+    if not layout.is_local:
+        write_hostfile(layout, hostfile, flavour)
+    return dict(flavour=flavour, mpirun=mpirun, hostfile=hostfile.resolve(), config_file=config_file)
 
 
 # Per module of TRAIN_MODULES: its flags' parser, its data folder's flag, its cheap checks.
