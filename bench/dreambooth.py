@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--class_image", action="store_true",
                         help="also time drawing one class picture (25 DPM-Solver++ steps, guidance 7.5)")  # fmt: skip
     parser.add_argument(
-        "--out", default=None, help="result JSON (default bench/results/dreambooth-<model>-<px>px.json)"
+        "--out",
+        default=None,
+        help="result JSON (default: dreambooth-<model>-<px>px[-bf16].json in this machine's bench/results folder)",
     )
     parser.add_argument("--child", choices=("ours", "reference"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -178,8 +180,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     report = _report(args, threads, results, memory, lora_numel, unet_numel)
     if class_image:
         report["class_image_seconds"] = class_image
+    suffix = "-bf16" if args.mixed_precision == "bf16" else ""
     out = common.results_path(
-        f"dreambooth-{args.model}-{args.resolution}px.json", args.out, report["machine"]
+        f"dreambooth-{args.model}-{args.resolution}px{suffix}.json", args.out, report["machine"]
     )
     common.write_json(out, report)
     print(format_report(report))
