@@ -230,7 +230,7 @@ def setup_run(config: DreamBoothConfig) -> Run:
         latent_mean=torch.cat([m for m, _ in cached]), latent_std=torch.cat([s for _, s in cached]),
         scaling=vae.config.scaling_factor, prompt_ids=prompt_ids, fixed_states=fixed_states, pairs=pairs,
         class_images=made, started=started, prepacked_convs=packed and dataclasses.asdict(packed),
-        prepacked=bool(packed and packed.convolutions),
+        prepacked=packed.convolutions + packed.linears if packed else 0,
         family=family, tokenizer_2=tokenizers[1] if encoder_2 is not None else None, text_encoder_2=encoder_2,
         view_sizes=[size for v in views for size in v.sizes()],
     )  # fmt: skip  # the VAE is not kept: it encoded each picture once, above

@@ -561,6 +561,28 @@ def test_a_forward_that_cannot_run_on_fake_tensors_leaves_the_copies_to_the_firs
     assert set(prepack._copies(net[0])) == {"fwd"}
 
 
+def test_told_how_many_layers_are_packed_lay_out_stops_after_the_last_one():
+    """SDXL at 512 px packs its text encoders only: the pass need not go through the plain UNet after
+    them. Here what follows the two packed layers reads a value, which fake tensors cannot give: the
+    pass stops before it with ``layers=2`` and lays both out, with the same copies as the whole pass
+    (test above); with a wrong count it runs on and fails as before (no copies)."""
+    calls = []
+    net, twin = _conv_then_linear(0), _conv_then_linear(0)
+    assert prepack.pack_conv(net[0]) and prepack.pack_linear(net[2])
+
+    def forward():
+        y = net(x)
+        calls.append("after the packed layers")
+        return float(y.sum())
+
+    x = torch.randn(1, 4, 8, 8, requires_grad=True)
+    assert prepack.lay_out(forward, layers=3) == 0 and calls == ["after the packed layers"]
+    assert net[0] not in prepack._COPIES and net[2] not in prepack._COPIES
+    assert prepack.lay_out(forward, layers=2) == 2 and calls == ["after the packed layers"]  # not again
+    assert [set(prepack._copies(m)) for m in (net[0], net[2])] == [{"fwd", "bwd"}, {"fwd", "bias", "bwd"}]
+    torch.testing.assert_close(net(x), twin(x), rtol=1e-5, atol=1e-5)  # the unpacked twin's, to rounding
+
+
 def test_a_run_prepacks_by_default_records_it_and_can_turn_it_off(tmp_path):
     packed = ti.train(tiny_config(tmp_path, "packed", max_train_steps=2))
     plain = ti.train(

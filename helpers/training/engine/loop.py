@@ -75,7 +75,7 @@ class Run:
         steps_per_epoch, max_steps: the schedule.
         counter: the one gradient all-reduce and its byte count (all-reduces only with several processes).
         startup: what start-up did, recorded in ``run_summary.json``.
-        prepacked: some frozen layers compute on weights laid out once (:mod:`~helpers.training.engine.prepack`):
+        prepacked: how many frozen layers compute on weights laid out once (:mod:`~helpers.training.engine.prepack`):
             the loop makes their copies before the first step (:func:`lay_out`).
     """
 
@@ -92,7 +92,7 @@ class Run:
     max_steps: int
     counter: AllreduceCounter = field(default_factory=AllreduceCounter)
     startup: dict = field(default_factory=dict)
-    prepacked: bool = False
+    prepacked: int = 0
 
     @property
     def num_epochs(self) -> int:
@@ -353,7 +353,7 @@ def lay_out(method: Method, run: Run, micro_batch: dict, epoch: int) -> None:
         return
     status.beat("laying out weights")
     began = time.perf_counter()
-    layers = prepack.lay_out(method.forward(run, micro_batch, epoch))
+    layers = prepack.lay_out(method.forward(run, micro_batch, epoch), run.prepacked)
     run.startup["laid_out"] = {"layers": layers, "seconds": round(time.perf_counter() - began, 3)}
 
 

@@ -1,52 +1,45 @@
-"""Frozen convolutions whose weights are laid out for oneDNN once, not in every step.
+"""Frozen convolutions and linear layers whose weights are laid out for oneDNN once, not in every step.
 
 In eager PyTorch every ``Conv2d`` call hands oneDNN a plain ``OIHW`` weight, which oneDNN reorders
-into its blocked layout: once for the forward and once more for the input gradient of the
-backward. The UNet's weights never change in textual inversion, so each of those copies can be made
-once. :func:`pack_conv` keeps both (the weight laid out for the forward convolution, and the same
-weight laid out for the transposed convolution that computes the input gradient) and runs them
-through ``mkldnn._convolution_pointwise`` and ``mkldnn._convolution_transpose_pointwise`` inside a
-small autograd function, so the gradient still reaches the placeholder rows.
+into its blocked layout, once for the forward and once more for the backward's input gradient. The
+frozen weights never change, so :func:`pack_conv` makes both copies once (the weight laid out for the
+forward convolution, and for the transposed convolution that is the input gradient) and runs them
+through ``mkldnn._convolution_pointwise`` and ``mkldnn._convolution_transpose_pointwise`` in a small
+autograd function, so the gradient still reaches what is trained. What it buys and costs: the
+options table of ``docs/performance.md`` (``bench.optimisations``).
 
-What it buys and costs: the options table of ``docs/performance.md`` (``bench.optimisations``).
+A layer's dense weight is freed once its forward's copy exists (:func:`_release`; the pages of a
+weight mapped from a safetensors file go back with :func:`helpers.core.cpu.drop_file_pages`), and the
+input gradient's copy is made from the forward's: the copies add one weight's worth, not two, and the
+dense weights never sit beside the copies and the first forward's activations (the training peak when
+the weight was freed only after the first backward). ``state_dict()`` still gives the dense weight
+(rebuilt from the forward's copy, bit for bit), :func:`restore`, :func:`unpack` and :func:`plain` give
+it back, a deep copy gets its own, and a layer cast to another dtype gets it back before new copies are
+made. A convolution packed for the forward only keeps its dense weight (PyTorch's input gradient needs
+it), and so does a linear layer with copies in a narrower dtype (an fp32 text encoder under bf16),
+whose pages mapped from the model's file go back until ``state_dict()`` reads them.
 
-A layer's dense weight is freed as soon as its forward's copy exists (:func:`_release`; a weight
-loaded from a safetensors file is a view into the file's mapping, whose pages are handed back with
-:func:`helpers.core.cpu.drop_file_pages`, else they would stay resident beside the copies), and the
-input gradient's copy is made from the forward's: the copies add one weight's worth, not two, and
-the dense weights never sit beside the forward's copies and the first forward's activations (that
-sum was the training peak when the weight was freed only after the first backward). ``state_dict()``
-still gives the dense weight (rebuilt from the forward's copy, bit for bit), :func:`restore`,
-:func:`unpack` and :func:`plain` give it back, a deep copy gets its own, and a layer cast to
-another dtype gets it back before new copies are made. A convolution packed for the forward only
-keeps its dense weight (PyTorch's input gradient needs it), and so does a linear layer whose copies
-are in a narrower dtype than its weight (an fp32 text encoder under bf16); unread until
-``state_dict()``, that weight's pages mapped from the model's file go back to it meanwhile.
+With a laid-out weight, oneDNN's op takes and returns channels-last activations, so the packed UNet's
+activations and gradients are channels-last; the input gradient keeps them so (no copy there and back
+per convolution, slightly faster in bf16), with the same results bit for bit.
 
-With a laid-out weight, oneDNN's op takes and returns channels-last activations (it copies any
-other input into that layout). So the packed UNet's activations, and the gradients flowing back
-through them, are channels-last; the input gradient keeps them so (slightly faster in bf16: no copy
-there and back per convolution), and the results are the same bit for bit.
+The engine and the DreamBooth-LoRA trainer pack the UNet when ``prepack_convs`` is on (the default below
+:data:`helpers.training.config.PREPACK_DEFAULT_BELOW_RESOLUTION` px, where it pays) and the copies fit in
+memory (:func:`pack_unet`); never with IPEX, which lays out weights its own way. DreamBooth's class
+pictures are drawn with the forward's copy alone (``bench.dreambooth --class_image`` measures it).
 
-The engine (and the DreamBooth-LoRA trainer, whose LoRA leaves the convolutions frozen) packs the
-UNet when ``prepack_convs`` is on (the default below 512 px, where it pays:
-:data:`helpers.training.config.PREPACK_DEFAULT_BELOW_RESOLUTION`) and the copies fit in memory (:func:`pack_unet`);
-never together with IPEX, which lays out weights its own way. DreamBooth's class pictures are drawn
-with the forward's copy alone (``bench.dreambooth --class_image`` measures it).
+Frozen ``Linear`` layers (:func:`pack_linear`, ``prepack_linears``): PyTorch hands oneDNN (bf16) or MKL
+(fp32) the plain weight in every call, to be laid out afresh, which costs most where few rows meet a
+large weight (the UNet's 8x8 and 4x4 levels at 256 px). The forward's copy is the weight laid out by
+``mkldnn._reorder_linear_weight``, the input gradient's its transpose laid out the same way; both run
+through ``mkldnn._linear_pointwise`` (fp32 too: MKL's packed format would add megabytes to each copy).
+The text encoders' layers are packed too; under autocast a packed layer computes in autocast's dtype,
+as PyTorch's would, with copies in that dtype.
 
-Frozen ``Linear`` layers get the same treatment (:func:`pack_linear`, the engine's ``prepack_linears``):
-PyTorch hands oneDNN (bf16) or MKL (fp32) the plain weight in every call, and the library lays
-it out afresh each time, which costs most where few rows meet a large weight (the 8x8 and 4x4
-levels of the UNet at 256 px). The forward's copy is the weight laid out by
-``mkldnn._reorder_linear_weight``, the input gradient's is its transpose laid out the same way;
-both run through ``mkldnn._linear_pointwise`` (fp32 and bf16 alike: MKL's packed format would add
-several megabytes to every copy). The text encoder's linear layers are packed too; under autocast
-a packed layer computes in autocast's dtype, as PyTorch's would, with copies in that dtype.
-
-The copies are made on first use, or before it by :func:`lay_out` (which the run loop calls before
-the first step, so that step runs at the pace of the others); either way a run pays for them once, and
-the steps pay them back (how soon: ``docs/performance.md``). They cannot be kept on disk for the
-next run: they are oneDNN tensors, whose storage PyTorch cannot save (``torch.save`` raises).
+The copies are made on first use, or before it by :func:`lay_out` (the run loop calls it before the
+first step, which then runs at the pace of the others); a run pays for them once, and the steps pay
+them back (how soon: ``docs/performance.md``). They cannot be kept on disk for the next run: PyTorch
+cannot save a oneDNN tensor's storage (``torch.save`` raises).
 """
 
 from __future__ import annotations
@@ -74,9 +67,15 @@ MEMORY_SHARE = 0.5
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # layer whose dense weight _release freed -> (its forward's copy, the hook that puts it in state_dict()).
 _RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# While lay_out runs a forward on fake tensors: each packed layer reached, with its input's shape,
-# whether a gradient flows back and the dtype it computes in (else None).
-_SHAPES_ONLY: list[tuple[torch.nn.Module, torch.Size, bool, torch.dtype]] | None = None
+
+
+class _AllReached(BaseException):  # not an Exception: no ``except Exception`` in a model's code takes it
+    """:func:`lay_out`'s pass has reached every packed layer: the rest of the forward notes nothing."""
+
+
+# While lay_out runs a forward on fake tensors: notes each packed layer reached, with its input's
+# shape, whether a gradient flows back and the dtype it computes in (else None).
+_SHAPES_ONLY: Callable[[torch.nn.Module, torch.Size, bool, torch.dtype], None] | None = None
 
 logger = logging.getLogger(__name__)
 
@@ -184,14 +183,8 @@ def _conv_copies(
     state = _copies(conv)
     made = conv._pack_forward and "fwd" not in state
     if made:
-        state["fwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(
-            conv.weight.detach().to_mkldnn(),
-            list(conv.padding),
-            list(conv.stride),
-            [1, 1],
-            1,
-            list(input_shape),
-        )
+        layout = list(conv.padding), list(conv.stride), [1, 1], 1, list(input_shape)
+        state["fwd"] = torch._C._nn.mkldnn_reorder_conv2d_weight(conv.weight.detach().to_mkldnn(), *layout)
     if backward and conv._pack_backward and "bwd" not in state:
         # laid out for the transposed convolution that is the input gradient: oneDNN reads the dense
         # weight as it is, in one pass (flipped and transposed in PyTorch first, it took twice as long)
@@ -333,27 +326,39 @@ def _shape_only(
     layer: torch.nn.Module, x: torch.Tensor, backward: bool, shape: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
     """In :func:`lay_out`'s pass: note the call, and give an output of the right shape and dtype."""
-    _SHAPES_ONLY.append((layer, x.shape, backward, dtype))
+    _SHAPES_ONLY(layer, x.shape, backward, dtype)
     return x.new_empty(shape, dtype=dtype).requires_grad_(backward)
 
 
-def lay_out(forward: Callable[[], object]) -> int:
+def lay_out(forward: Callable[[], object], layers: int | None = None) -> int:
     """Make now every copy the packed layers reached by ``forward`` would make on first use.
 
     ``forward`` (a training step's forward, up to its loss) runs once on fake tensors
     (``FakeTensorMode``: shapes and dtypes only, no arithmetic and no memory), and each packed layer it
     reaches notes the shape of its input, whether a gradient will flow back through it and the
-    dtype it computes in. The copies are then made in that order, as the first step would make them:
-    the same layouts, so the same results bit for bit. The first step then runs at the pace of the
-    ones after it, and start-up takes the copies' time instead (``docs/performance.md``, the first step).
+    dtype it computes in; with ``layers`` (how many are packed) the pass stops at the last of them
+    (SDXL at 512 px: after the text encoders, not through the plain UNet). The copies are then made
+    in that order, as the first step would make them: the same layouts, so the same results bit for
+    bit. The first step then runs at the pace of the ones after it, and start-up takes the copies'
+    time instead (``docs/performance.md``, the first step).
     Returns how many layers were laid out; 0 if ``forward`` fails on fake tensors (said in the log):
     the copies are then made on first use.
     """
     global _SHAPES_ONLY
-    _SHAPES_ONLY = reached = []
+    reached, seen = [], set()
+
+    def note(layer: torch.nn.Module, *call) -> None:
+        reached.append((layer, *call))
+        seen.add(layer)
+        if len(seen) == layers:
+            raise _AllReached
+
+    _SHAPES_ONLY = note
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             forward()
+    except _AllReached:
+        pass
     # Typically an op without a fake kernel, or code reading a value. Whatever it is, the real
     # first step runs the same forward: a fault of the forward itself is raised there, not hidden.
     except Exception as error:
@@ -368,7 +373,7 @@ def lay_out(forward: Callable[[], object]) -> int:
             _conv_copies(layer, shape, backward)
         else:
             _linear_copies(layer, dtype, shape.numel() // shape[-1], backward, mapped)
-    return len({id(layer) for layer, *_ in reached})
+    return len(seen)
 
 
 def packable_linear(linear: torch.nn.Module) -> bool:
@@ -474,11 +479,8 @@ class PackResult:
     linears: int = 0
 
     def describe(self) -> str:
-        layers = " and ".join(
-            f"{n} {kind}"
-            for n, kind in ((self.convolutions, "convolutions"), (self.linears, "linear layers"))
-            if n
-        )
+        counts = (self.convolutions, "convolutions"), (self.linears, "linear layers")
+        layers = " and ".join(f"{n} {kind}" for n, kind in counts if n)
         # not "-0.00": under bf16 a text encoder's fp32 biases give back more than their copies take
         gib = round(self.bytes / 2**30, 2) or 0.0
         said = [f"{layers} use weights laid out once ({gib:+.2f} GiB)"] if layers else []

@@ -181,7 +181,7 @@ def setup_run(
     return Run(
         config=config, accelerator=accelerator, precision=precision, model_dir=model_dir,
         output_dir=Path(config.output_dir), **schedule, counter=counter, startup=startup, tokenizer=tokenizer,
-        prepacked=any(startup.get("prepacked_convs", {}).get(k) for k in ("convolutions", "linears")),
+        prepacked=sum(startup.get("prepacked_convs", {}).get(k, 0) for k in ("convolutions", "linears")),
         text_encoder=encoders[0], unet=unet, token_ids=token_ids[0], tokens=tokens,
         hook=EmbeddingHook(encoders[0], learned[0]), parts=parts,
         family=family, tokenizer_2=tokenizer_2, text_encoder_2=parts.text_encoder_2,
