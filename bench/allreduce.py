@@ -191,7 +191,7 @@ def launch(
             cmd += ["--resolution", str(args.resolution), "--batch", str(batch)]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             procs.append(
-                subprocess.Popen(
+                common.popen(
                     cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
             )
@@ -337,7 +337,7 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
                     json.dumps({**spec, "rank": rank}),
                 ]
                 procs.append(
-                    subprocess.Popen(
+                    common.popen(
                         cmd,
                         cwd=common.ROOT,
                         env=env,
@@ -397,7 +397,7 @@ def train_step_effect(backends: list[str], rounds: int, model: str, steps: int) 
                 flags[flags.index("tiny")] = model
                 argv = [sys.executable, "-m", "helpers.launch", "--launcher", "mpirun", "--backend", b,
                         "--nproc_per_node", "2", "--main_process_port", "0", "--", *flags]  # fmt: skip
-                proc = subprocess.Popen(argv, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                proc = common.popen(argv, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, start_new_session=True)  # fmt: skip
                 try:
                     text, _ = proc.communicate(timeout=STEP_TIMEOUT)

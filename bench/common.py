@@ -16,7 +16,9 @@ import ctypes
 import json
 import math
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -155,6 +157,10 @@ def peak_rss_since_reset_mib() -> float:
 def gemm_gflops(n: int | None = None, repeats: int = 6, dtype: torch.dtype = torch.float32) -> float:
     """This machine's matrix-multiply speed (GFLOP/s) in ``dtype`` at the current thread setting: best of ``repeats``.
 
+    The faster of ``torch.mm`` and oneDNN's inner product on a weight laid out once (what the
+    engine's prepacked layers run). They differ by CPU: in fp32 ``torch.mm`` is MKL's sgemm, which
+    on an AMD EPYC (Zen 5) reached 175-200 GFLOP/s where oneDNN reached 434, so a bound taken from
+    it put the engine's step at 132 % of its "peak".
     ``n`` defaults to 2048, or 512 for bf16 on a CPU that emulates it (measured on an AVX2-only EPYC:
     about 1.3 GFLOP/s at both sizes, so a 2048 product took 13 s and a bf16 benchmark, which measures
     the peak between its steps, 18 minutes of GEMMs).
@@ -163,12 +169,17 @@ def gemm_gflops(n: int | None = None, repeats: int = 6, dtype: torch.dtype = tor
         n = 512 if dtype == torch.bfloat16 and not cpu.has_native_bf16() else 2048
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     out = torch.empty(n, n, dtype=dtype)
-    torch.mm(a, b, out=out)
+    products = [lambda: torch.mm(a, b, out=out)]
+    if torch.backends.mkldnn.is_available():
+        laid_out = torch.ops.mkldnn._reorder_linear_weight(b, n)
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, laid_out, None, "none", [], ""))
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
+    for product in products:
+        product()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
 
 
@@ -282,6 +293,37 @@ def rss_ratio_line(report: dict[str, Any]) -> list[str]:
 def write_json(path: str | os.PathLike, value: Any) -> Path:
     """Write JSON atomically (temporary name, then rename)."""
     return write_text_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _ends_with(parent: int) -> Callable[[], None]:
+    """A child's ``preexec_fn``: the kernel sends it SIGTERM when ``parent`` ends, however it ends (a
+    benchmark killed outright would otherwise leave its 8 GB training child running). SIGTERM, not
+    SIGKILL: ``helpers.train`` and ``helpers.launch`` stop cleanly on it, the latter with its ranks.
+    The kernel ties the signal to the thread that started the child: start it from one that outlives
+    it (the benchmarks start theirs from the main thread)."""
+
+    prctl = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None  # looked up before the fork
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it ended before the line above: no signal will come
+            os._exit(1)
+
+    return preexec
+
+
+def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen`` for a benchmark's child, which ends when the benchmark does (:func:`_ends_with`)."""
+    return subprocess.Popen(argv, preexec_fn=_ends_with(os.getpid()), **kwargs)
+
+
+def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a benchmark's child, which ends when the benchmark does (:func:`_ends_with`)."""
+    return subprocess.run(argv, preexec_fn=_ends_with(os.getpid()), **kwargs)
 
 
 def results_folder(machine: dict[str, Any]) -> Path:

@@ -199,7 +199,7 @@ def _run_measured(
     seconds, and peak resident memory in KiB (``wait4``'s ``ru_maxrss``: this child's alone)."""
     start = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = common.popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:

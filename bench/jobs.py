@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 
+from bench import common
 from helpers.core import outputs
 from helpers.ranks import status
 
@@ -84,7 +85,7 @@ def run_job(
         log = Path(tmp) / "job.log"
         start = time.monotonic()
         with open(log, "w") as out:
-            proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+            proc = common.popen(argv, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
             try:
                 code: int | None = proc.wait(timeout=timeout)

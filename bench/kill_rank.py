@@ -54,7 +54,7 @@ def run_one(launcher: str, backend: str, timeout: float) -> dict[str, Any]:
         argv = [sys.executable, "-m", "helpers.launch", "--launcher", launcher, "--backend", backend,
                 "--nproc_per_node", "2", "--threads_per_process", "1", "--",
                 *jobs.tiny_train_args(out, steps=100_000)]  # fmt: skip
-        proc = subprocess.Popen(argv, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        proc = common.popen(argv, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         report, deadline = out / "launch" / "status" / "rank1.json", time.monotonic() + timeout
         try:

@@ -57,7 +57,7 @@ def run_once(launcher: str, steps: int, model: str, timeout: float) -> dict[str,
         argv = [sys.executable, "-m", "helpers.launch", "--launcher", launcher, "--nproc_per_node", "2",
                 "--threads_per_process", "1", *port, "--", *train]  # fmt: skip
         start = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        proc = common.popen(argv, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # fmt: skip
         try:
             text, _ = proc.communicate(timeout=timeout)

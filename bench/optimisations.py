@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -391,7 +390,7 @@ def _run_child(
     cmd = [python, "-m", "bench.optimisations", "--child", json.dumps(overrides)]
     cmd += ["--model", args.model, "--resolution", str(args.resolution), "--batch", str(args.batch)]
     cmd += ["--steps", str(args.steps), "--threads", str(threads), "--mixed_precision", args.mixed_precision]
-    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)
+    proc = common.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"child {overrides} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

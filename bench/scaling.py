@@ -137,7 +137,7 @@ def _launch(
             }
             cmd = [sys.executable, "-m", "bench.scaling", "--worker", spec]
             procs.append(
-                subprocess.Popen(
+                common.popen(
                     cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
             )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +59,7 @@ def run_once(mode: str, model: Path, concept: Path, cache: Path, args: argparse.
                 "--mixed_precision", "no", "--save_steps", "2", "--checkpointing_steps", "2", "--seed", "0",
                 "--output_dir", str(out), *cache_flags]  # fmt: skip
         start = time.monotonic()
-        proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
+        proc = common.run(argv, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
         wall = time.monotonic() - start
         if proc.returncode != 0:
             raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -56,9 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @contextmanager
 def load(cpu: int, memory_gb: float) -> Iterator[None]:
     """Busy processes and a memory holder for the duration (killed after)."""
-    procs = [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(cpu)]
+    procs = [common.popen([sys.executable, "-c", _BURN]) for _ in range(cpu)]
     if memory_gb > 0:
-        procs.append(subprocess.Popen([sys.executable, "-c", _HOLD, str(memory_gb)]))
+        procs.append(common.popen([sys.executable, "-c", _HOLD, str(memory_gb)]))
     try:
         yield
     finally:

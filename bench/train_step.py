@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -300,7 +299,7 @@ def _run_child(args: argparse.Namespace, mode: str, threads: int) -> dict[str, f
     cmd += ["--resolution", str(args.resolution), "--batch", str(args.batch), "--threads", str(threads)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--mixed_precision", args.mixed_precision]
-    proc = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, env=os.environ.copy())
+    proc = common.run(cmd, cwd=common.ROOT, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"memory child {mode} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

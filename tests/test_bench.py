@@ -244,6 +244,44 @@ def test_process_age_counts_from_the_process_start_within_what_its_parent_saw():
     assert 0 < first and first + 0.3 <= second < elapsed
 
 
+@pytest.mark.parametrize("start", ["popen", "run"])
+def test_a_benchmarks_child_ends_when_the_benchmark_is_killed_outright(start):
+    """A benchmark killed with SIGKILL (no handler runs) leaves no child behind: the child, started
+    through ``common.popen`` or ``common.run``, gets SIGTERM from the kernel and ends. Before, a killed
+    ``bench.end_to_end`` left its 8 GB ``helpers.train`` child training on."""
+    import psutil
+
+    child = "import time; time.sleep(120)"
+    argv = f"[sys.executable, '-c', {child!r}]"
+    started = {  # run() blocks until its child ends: from a thread, which lives as long as the child
+        "popen": f"common.popen({argv})",
+        "run": f"threading.Thread(target=common.run, args=({argv},), daemon=True).start()",
+    }[start]
+    code = f"import sys, threading, time; from bench import common; {started}; time.sleep(120)"
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=common.ROOT)
+    try:
+        deadline, kids = time.monotonic() + 60, []
+        # the child starts once bench.common is imported, and is exec'd after its preexec
+        while time.monotonic() < deadline and not any(k.cmdline()[-1:] == [child] for k in kids):
+            time.sleep(0.1)
+            kids = psutil.Process(parent.pid).children()
+        (kid,) = kids
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+
+    def ended() -> bool:  # gone, or a zombie until init reaps it
+        try:
+            return kid.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not ended():
+        time.sleep(0.1)
+    assert ended()
+
+
 def test_report_replaces_only_the_marked_block():
     readme = f"# Title\nintro\n{report.BEGIN}\nold table\n{report.END}\noutro\n"
     assert (
