@@ -191,9 +191,28 @@ def _beat(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
     return callback_kwargs
 
 
-# The heavy parts a textual-inversion run never changes, as diffusers' save_pretrained writes them.
-UNCHANGED_PARTS = {name: ("config.json", "diffusion_pytorch_model.safetensors") for name in ("unet", "vae")}
+UNCHANGED_PARTS = ("unet", "vae")  # the heavy parts a textual-inversion run never changes
 COPY_LIMIT_SECONDS = 1800.0  # the base model's UNet and VAE (3.6 GB for SD v1.5) onto a slow disk
+
+
+def saved_files(folder: Path) -> list[str]:
+    """The files of a model part saved as diffusers' ``save_pretrained`` writes it, if it is: its
+    config and its safetensors weights, in one file or in the shards its index names (a part over
+    ``max_shard_size``, 10 GB: SDXL's fp32 UNet as diffusers saves it). Else an empty list."""
+    from diffusers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+
+    if (folder / SAFETENSORS_WEIGHTS_NAME).is_file():
+        weights = [SAFETENSORS_WEIGHTS_NAME]
+    else:
+        try:
+            shards = json.loads((folder / SAFE_WEIGHTS_INDEX_NAME).read_text())["weight_map"].values()
+            weights = [SAFE_WEIGHTS_INDEX_NAME, *sorted(set(shards))]
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):  # no index, or not one
+            return []
+    names = [CONFIG_NAME, *weights]
+    # only files beside the index: a shard named '../x' would be copied out of the run's folder
+    plain = all(isinstance(n, str) and Path(n).name == n and n not in (".", "..") for n in names)
+    return names if plain and all((folder / n).is_file() for n in names) else []
 
 
 class PipelineCopy:
@@ -205,8 +224,8 @@ class PipelineCopy:
     a small fraction of its time. The files are written by
     :func:`helpers.core.files.copy_file_uncached`, which leaves the steps their CPUs and memory (its
     docstring says what a page-cache copy cost them; the whole command's numbers are in
-    docs/performance.md). Only parts the base holds as diffusers writes them
-    (:data:`UNCHANGED_PARTS`) are copied, byte for byte; :func:`save_full_pipeline` saves the others.
+    docs/performance.md). Only parts the base holds as diffusers writes them (:func:`saved_files`)
+    are copied, byte for byte; :func:`save_full_pipeline` saves the others.
     The thread never calls back into the run; :meth:`wait` re-raises its error (a full disk).
 
     Args:
@@ -218,22 +237,19 @@ class PipelineCopy:
     def __init__(self, model_dir: str | os.PathLike, output_dir: str | os.PathLike):
         source = Path(model_dir)
         self.folder = Path(output_dir) / f".pipeline.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-        self.parts = [
-            part
-            for part, names in UNCHANGED_PARTS.items()
-            if all((source / part / n).is_file() for n in names)
-        ]
+        found = {part: saved_files(source / part) for part in UNCHANGED_PARTS}
+        self.parts = [part for part, names in found.items() if names]
         self.folder.mkdir(parents=True)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._copy, args=(source,), name="pipeline-copy", daemon=True)
+        copies = [(source / part / n, self.folder / part / n) for part in self.parts for n in found[part]]
+        self._thread = threading.Thread(target=self._copy, args=(copies,), name="pipeline-copy", daemon=True)
         self._thread.start()
 
-    def _copy(self, source: Path) -> None:
+    def _copy(self, copies: list[tuple[Path, Path]]) -> None:
         try:
-            for part in self.parts:
-                (self.folder / part).mkdir()
-                for name in UNCHANGED_PARTS[part]:
-                    files.copy_file_uncached(source / part / name, self.folder / part / name)
+            for source, dest in copies:
+                dest.parent.mkdir(exist_ok=True)
+                files.copy_file_uncached(source, dest)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
 

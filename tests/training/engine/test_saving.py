@@ -186,6 +186,46 @@ def test_the_base_parts_are_copied_byte_for_byte_into_a_hidden_folder_of_the_run
     assert not copy.folder.exists()
 
 
+def test_a_part_saved_in_shards_is_copied_with_its_index_and_a_shard_outside_its_folder_is_not(tmp_path):
+    """diffusers saves a part over 10 GB in shards named by an index (SDXL's fp32 UNet): they are
+    copied too, else the save would load and write the whole UNet after the last step. An index
+    naming a file outside its folder, or not an index at all, disqualifies the part (saved from the
+    model instead)."""
+    base, out = _base_model(tmp_path / "base", vae_weights=False), tmp_path / "out"
+    unet = base / "unet"
+    (unet / "diffusion_pytorch_model.safetensors").unlink()
+    shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    for i, name in enumerate(shards):
+        (unet / name).write_bytes(bytes([i]) * 100)
+    index = {
+        "metadata": {},
+        "weight_map": {"a.weight": shards[1], "b.weight": shards[0], "c.weight": shards[1]},
+    }
+    (unet / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    copy = saving.PipelineCopy(base, out)
+    try:
+        assert copy.wait() == ["unet"]
+        names = ["config.json", "diffusion_pytorch_model.safetensors.index.json", *shards]
+        assert sorted(p.name for p in (copy.folder / "unet").iterdir()) == sorted(names)
+        assert all((copy.folder / "unet" / n).read_bytes() == (unet / n).read_bytes() for n in names)
+    finally:
+        copy.discard()
+
+    (tmp_path / "secret").write_bytes(b"not a shard")
+    index["weight_map"]["d.weight"] = "../../secret"
+    (unet / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    assert saving.saved_files(unet) == []
+    for broken in ({"weight_map": {"a": 1, "b": shards[0]}}, {"weight_map": [shards[0]]}, ["x"]):
+        (unet / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(broken))
+        assert saving.saved_files(unet) == []
+    hostile = saving.PipelineCopy(base, tmp_path / "out2")
+    try:
+        assert hostile.wait() == []
+    finally:
+        hostile.discard()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "out", "out2", "secret"]
+
+
 def test_a_failed_copy_is_raised_by_wait_and_a_slow_one_times_out(tmp_path, monkeypatch):
     base = _base_model(tmp_path / "base", vae_weights=True)
 
