@@ -46,18 +46,31 @@ SHIPPED_MODELS = {TOYWORLD: (TOYWORLD_DIR, ""), TOYWORLD_XL: (TOYWORLD_XL_DIR, "
 TINY_XL = models_xl.TINY_XL
 OFFLINE_MODELS = (TOYWORLD, TOYWORLD_XL, TINY, TINY_XL)
 CLIP_VOCAB_FILE = Path(__file__).parent.parent / "assets" / "clip_vocab" / "bpe_simple_vocab_16e6.txt.gz"
-# Files of a diffusers Stable Diffusion repo that training and inference need (skips EMA/fp16/ckpt copies).
+# Files of a diffusers Stable Diffusion (v1 or XL) repo that training and inference need: each
+# model's config and safetensors weights, in one file or in shards with their index, as
+# save_pretrained writes them; no fp16 variants, .bin, .ckpt or ONNX copies.
+_WEIGHTS = {
+    "text_encoder": "model",
+    "text_encoder_2": "model",
+    "unet": "diffusion_pytorch_model",
+    "vae": "diffusion_pytorch_model",
+}
 HUB_ALLOW_PATTERNS = [
     "model_index.json",
     "scheduler/*",
     "tokenizer/*",
+    "tokenizer_2/*",
     "feature_extractor/*",
-    "text_encoder/config.json",
-    "text_encoder/model.safetensors",
-    "unet/config.json",
-    "unet/diffusion_pytorch_model.safetensors",
-    "vae/config.json",
-    "vae/diffusion_pytorch_model.safetensors",
+    *(
+        f"{part}/{name}"
+        for part, stem in _WEIGHTS.items()
+        for name in (
+            "config.json",
+            f"{stem}.safetensors",
+            f"{stem}.safetensors.index.json",
+            f"{stem}-*-of-*.safetensors",
+        )
+    ),
 ]
 
 # Bump when the tiny architecture or its build changes: the cache key includes it.

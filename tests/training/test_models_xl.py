@@ -99,3 +99,36 @@ def test_sdxl_shape_configs_count_sdxl_base_parameters():
 def test_tiny_xl_is_an_offline_model():
     assert "tiny-xl" in models.OFFLINE_MODELS
     assert models.resolve_model("tiny-xl") == models.tiny_xl_pipeline_dir()
+
+
+def test_a_hub_download_takes_every_file_an_sdxl_pipeline_loads_and_none_of_the_copies():
+    """A Hub model is fetched with ``snapshot_download(allow_patterns=models.HUB_ALLOW_PATTERNS)``.
+    This machine cannot reach the Hub, so the patterns go through huggingface_hub's own filter over a
+    listing: every file of an SDXL pipeline as save_pretrained writes it (tiny-xl), with both text
+    encoders and tokenizers, and the shards and indexes of a part saved in pieces, are taken; the
+    copies SDXL base 1.0's repo also holds (fp16 variants, .bin, the single-file checkpoint, ONNX,
+    the older VAE) are not. Before, the second encoder and tokenizer were left out."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    folder = models.resolve_model("tiny-xl")
+    saved = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert {name.split("/")[0] for name in saved} >= {"text_encoder_2", "tokenizer_2", "unet"}
+    sharded = [
+        "unet/diffusion_pytorch_model.safetensors.index.json",
+        "unet/diffusion_pytorch_model-00001-of-00002.safetensors",
+        "unet/diffusion_pytorch_model-00002-of-00002.safetensors",
+        "text_encoder_2/model.safetensors.index.json",
+        "text_encoder_2/model-00001-of-00002.safetensors",
+    ]
+    copies = [
+        "sd_xl_base_1.0.safetensors",
+        "unet/diffusion_pytorch_model.fp16.safetensors",
+        "unet/diffusion_pytorch_model.fp16-00001-of-00002.safetensors",
+        "unet/diffusion_pytorch_model.bin",
+        "text_encoder/model.fp16.safetensors",
+        "text_encoder_2/pytorch_model.bin",
+        "vae_1_0/diffusion_pytorch_model.safetensors",
+        "vae_decoder/model.onnx",
+    ]
+    taken = filter_repo_objects(saved + sharded + copies, allow_patterns=models.HUB_ALLOW_PATTERNS)
+    assert list(taken) == saved + sharded
