@@ -207,13 +207,11 @@ MEASURED_MEMORY: tuple[PeakMemory, ...] = (
     PeakMemory(512, "no", True, 9917.1, _XEON + "train_memory-sd15-shape-512px.json"),
     PeakMemory(512, "no", False, 6497.9, _XEON + "train_memory-sd15-shape-512px.json"),
     PeakMemory(256, "bf16", True, 5495.4, "bench/results/train_step-sd15-shape-256px-bf16.json"),
-    # SDXL: the whole command in bench.end_to_end on a Xeon with AVX512-BF16, its first run (the VAE
-    # encodes the pictures) included.
-    PeakMemory(512, "bf16", False, 17657.5,
-               "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-512px-3steps-bf16.json", "sdxl"),
+    # SDXL: the whole command in bench.end_to_end on the EPYC (AVX512-BF16), its first run (the VAE
+    # encodes the pictures) and its save (the pipeline's parts copied, not rewritten) included.
+    PeakMemory(512, "bf16", False, 14980.9, "bench/results/end_to_end-sdxl-shape-512px-6steps-bf16.json", "sdxl"),
     # fp32 does not fit 23.5 GiB at 512 px: measured at 256 px with --no-prepack (the default from 512 px)
-    PeakMemory(256, "no", False, 15133.4,
-               "bench/results/xeon-avx512-bf16/end_to_end-sdxl-shape-256px-3steps-fp32-unpacked.json", "sdxl"),
+    PeakMemory(256, "no", False, 15111.9, "bench/results/end_to_end-sdxl-shape-256px-3steps-fp32-unpacked.json", "sdxl"),
 )  # fmt: skip
 # Resident weights (GiB) of the SD v1.5 shape's UNet and text encoder, counted from its modules:
 # UNet 3.20 GiB in fp32 (convolutions 2.19, linear layers 1.01), text encoder 0.46 (linear 0.32).

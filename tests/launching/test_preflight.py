@@ -68,13 +68,13 @@ def test_memory_warning_counts_every_node_on_this_machine_and_says_when_none_fit
 
 def test_launch_warns_for_sdxl_from_its_own_measurement(tmp_path, capsys, monkeypatch):
     """notebook 07's Hub SDXL at its 1024 px in bf16: 7.8 GiB of weights (the UNet in bf16, both
-    encoders in fp32) and the 9.4 GiB above them measured at 512 px, x4 for the pixels."""
+    encoders in fp32) and the 6.8 GiB above them measured at 512 px, x4 for the pixels."""
     monkeypatch.setattr(preflight, "local_memory_bytes", lambda: 64 * GIB)
     sdxl = ["--pretrained_model_name_or_path", "stabilityai/stable-diffusion-xl-base-1.0", "--resolution", "1024",
             "--mixed_precision", "bf16", "--train_data_dir", str(data.sample_concept_dir())]  # fmt: skip
     assert _launch(tmp_path, *sdxl) == 0
     assert [line for line in capsys.readouterr().err.splitlines() if "GiB" in line] == [
-        "warning: 2 processes per node × ~45.5 GiB each (SDXL, bf16, 1024 px) need 91.0 GiB; this node has "
+        "warning: 2 processes per node × ~35.0 GiB each (SDXL, bf16, 1024 px) need 70.1 GiB; this node has "
         "64.0 GiB — expect swapping or an out-of-memory kill; pass --nproc_per_node 1"
     ]
 
@@ -90,7 +90,7 @@ def test_the_measured_shape_is_read_from_the_unet_config(tmp_path):
     assert job._measured_shape("tiny-xl") is None and job._measured_shape("toyworld") is None
     assert job._measured_shape("stable-diffusion-v1-5/stable-diffusion-v1-5") == "sd15"  # not cached here
     # SDXL in fp32 from its own row (256 px, unpacked): its 12.61 GiB of weights, the rest x4 at 512 px
-    above = 15133.4 * 2**20 - 12.61 * GIB
+    above = 15111.9 * 2**20 - 12.61 * GIB
     assert preflight.memory_per_process(512, "no", prepack=False, shape="sdxl") == int(
         12.61 * GIB + 4 * above
     )
