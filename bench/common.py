@@ -170,7 +170,7 @@ def gemm_gflops(n: int | None = None, repeats: int = 6, dtype: torch.dtype = tor
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     out = torch.empty(n, n, dtype=dtype)
     products = [lambda: torch.mm(a, b, out=out)]
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() and (dtype != torch.bfloat16 or cpu.can_lay_out_bf16_weights()):
         laid_out = torch.ops.mkldnn._reorder_linear_weight(b, n)
         products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, laid_out, None, "none", [], ""))
     best = float("inf")

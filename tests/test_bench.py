@@ -204,29 +204,37 @@ def test_bf16_weights_option_switches_the_unet_and_returns_to_the_engines_choice
     assert result["seconds"]["off"]["n"] == 1 and result["speedup"] > 0
 
 
+KEEP_FREED_PROBE = """
+import resource, torch
+from helpers.core import cpu
+
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(6):
+        torch.ones(16_000_000)  # 64 MB, touched, then freed
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+outside = faults()
+with cpu.keep_freed_memory() as applied:
+    faults(), faults()  # the heap grows to its working size (measured: over two rounds)
+    inside = faults()
+print(applied, outside, inside, 64_000_000 // resource.getpagesize())
+"""
+
+
 def test_keep_freed_memory_stops_refaulting_big_blocks():
-    """Blocks above glibc's mmap threshold are page-faulted in afresh each time, unless kept."""
-    import resource
+    """Blocks above glibc's mmap threshold are page-faulted in afresh each time, unless kept.
 
-    from helpers.core import cpu
-
-    block_pages = 64_000_000 // resource.getpagesize()
-
-    def faults() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(6):
-            torch.ones(16_000_000)  # 64 MB, touched, then freed
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    outside = faults()
-    with cpu.keep_freed_memory() as applied:
-        faults()  # the heap grows to its working size once
-        inside = faults()
-    assert applied  # Linux with glibc, as here
-    # Outside, all six blocks are faulted in. Inside, they are reused. After a long test session,
-    # a small allocation left above the freed block can make the heap grow by one more block
-    # (seen in CI: exactly one block's pages), so one block is allowed, not two.
-    assert outside > 5.9 * block_pages and inside < 1.5 * block_pages
+    Measured in a fresh process: in a worker that has run other tests, a free chunk left inside the
+    heap can serve the 64 MB blocks without fresh pages (seen in CI: one block's faults for six)."""
+    done = subprocess.run(
+        [sys.executable, "-c", KEEP_FREED_PROBE], capture_output=True, text=True, check=True, timeout=120
+    )
+    applied, outside, inside, block_pages = done.stdout.split()
+    outside, inside, block_pages = int(outside), int(inside), int(block_pages)
+    assert applied == "True"  # Linux with glibc, as here
+    # Outside, all six blocks are faulted in; inside, they are reused (a fraction of a block faults).
+    assert outside > 5.9 * block_pages and inside < 0.5 * block_pages
 
 
 def test_process_age_counts_from_the_process_start_within_what_its_parent_saw():
