@@ -353,6 +353,8 @@ def machine() -> dict[str, Any]:
     rep = cpu.report()
     return {
         "cpu": rep.model_name,
+        # a VM's model name can hide the generation ("AMD EPYC" for Zen 3 and Zen 4 alike)
+        "cpu_family_model": f"{cpu.cpuinfo_field('cpu family')}/{cpu.cpuinfo_field('model')}",
         "physical_cores": rep.physical_cores,
         "isa": sorted(f for f, on in rep.isa_flags.items() if on),
         "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),

@@ -169,7 +169,8 @@ def headline(results: dict[str, dict[str, Any]]) -> str:
 def describe_machine(m: dict[str, Any]) -> str:
     """One line: CPU, cores, instruction sets, memory and library versions of a result."""
     return (
-        f"{m['cpu']}, {m['physical_cores']} cores ({', '.join(m['isa'])}), {m['ram_gib']} GiB; "
+        f"{m['cpu']}{f' (family/model {fm})' if (fm := m.get('cpu_family_model')) else ''}, "
+        f"{m['physical_cores']} cores ({', '.join(m['isa'])}), {m['ram_gib']} GiB; "
         f"torch {m['torch']}, diffusers {m['diffusers']}"
     )
 

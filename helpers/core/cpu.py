@@ -85,14 +85,20 @@ def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def _model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+def cpuinfo_field(key: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first CPU's ``key`` in /proc/cpuinfo (``"model name"``, ``"cpu family"``...), "" if absent."""
     try:
         for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            name, sep, value = line.partition(":")
+            if sep and name.strip() == key:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def _model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    return cpuinfo_field("model name", cpuinfo) or platform.processor() or platform.machine()
 
 
 def physical_cores() -> int:

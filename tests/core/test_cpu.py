@@ -15,6 +15,8 @@ from tiny_parts import mapped_rss
 from helpers.core import cpu
 
 CPUINFO = """processor	: 0
+cpu family	: 25
+model		: 17
 model name	: Test CPU 9000
 flags		: fpu sse2 avx2 fma avx512f avx512_bf16
 processor	: 1
@@ -26,6 +28,9 @@ def test_flags_and_model_come_from_cpuinfo(tmp_path):
     info.write_text(CPUINFO)
     assert cpu.cpu_flags(str(info)) == frozenset({"fpu", "sse2", "avx2", "fma", "avx512f", "avx512_bf16"})
     assert cpu._model_name(str(info)) == "Test CPU 9000"
+    # "model" is its own field, not the start of "model name"
+    assert (cpu.cpuinfo_field("cpu family", str(info)), cpu.cpuinfo_field("model", str(info))) == ("25", "17")
+    assert cpu.cpuinfo_field("stepping", str(info)) == ""
     assert cpu.cpu_flags(str(tmp_path / "missing")) == frozenset()  # no /proc/cpuinfo: no flags
 
 
