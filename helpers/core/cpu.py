@@ -410,10 +410,11 @@ MALLOC_DEFAULTS_ENV = "WORKSHOP_MALLOC_DEFAULTS"
 def keep_freed_memory() -> Iterator[bool]:
     """Within the block, glibc keeps freed memory for reuse instead of returning it to the OS.
 
-    A training step allocates and frees gigabytes: activations, and oneDNN's per-call copies of
-    the convolution weights (up to 118 MB each). By default glibc serves blocks above 32 MiB
-    with fresh ``mmap`` pages and trims the heap, so every step page-faults the same memory in
-    again. Serving every block from the heap and never trimming it removes the faults, for a
+    A training run allocates and frees gigabytes: the VAE's activations while it encodes the
+    pictures, then in every step activations and oneDNN's per-call copies of the convolution
+    weights (up to 118 MB each). By default glibc serves blocks above 32 MiB with fresh ``mmap``
+    pages and trims the heap, so every VAE call and every step page-faults the same memory in
+    again, and the weights' laid-out copies fault in what the encoding has just given back. Serving every block from the heap and never trimming it removes the faults, for a
     little more resident memory (the measured speed-up and memory: the ``keep_freed_memory`` row of
     the options table in docs/performance.md). The same effect as preloading tcmalloc,
     without installing it.

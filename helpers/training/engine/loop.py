@@ -246,7 +246,9 @@ def train(method: Method, config) -> Any:
     """
     called = time.perf_counter()
     checked = method.check_inputs(config)  # the folder, pictures and checkpoint, before any model work
-    with hold_output_dir(config, method.layout):  # one run per folder: a second is refused with our pid
+    # Set-up and steps allocate and free gigabytes (the VAE's activations, the laid-out copies, each
+    # step's activations): freed memory is kept for what comes next instead of faulted in again (cpu.py).
+    with hold_output_dir(config, method.layout), cpu.keep_freed_memory():  # one run per folder
         run = method.setup(config, checked)
         # Every rank has read the output folder's state (check_inputs) before the main process
         # changes it (prepare_output_dir). Starting the process group usually waits for all ranks
@@ -362,33 +364,31 @@ def train_loop(method: Method, run: Run, start: int, history: list[dict], called
     ``called``: when :func:`train` was called (start-up ends here, once the weights are laid out)."""
     accelerator, config, step = run.accelerator, run.config, start
     parts, images = method.loss_parts(run), method.images_per_step(run)
-    # Each step allocates and frees gigabytes; keeping freed memory avoids re-faulting it in (cpu.py).
-    with cpu.keep_freed_memory():
-        steps = schedule(run, start)
-        first = next(steps)
-        lay_out(method, run, first[1][0], first[0])
-        record_startup(run, called)
-        bar, listeners = events.run_listeners(accelerator, method.title, run.max_steps, step)
-        began = time.perf_counter()
-        # The bar is closed however the loop ends, so an error is printed on a line of its own.
-        with contextlib.closing(bar):
-            for epoch, micro_batches, ends_epoch in itertools.chain([first], steps):
-                local = method.step(run, micro_batches, epoch, step + 1)
-                step += 1
-                loss, *values = accelerator.reduce(local, reduction="mean").tolist()
-                seconds = time.perf_counter() - began
-                ended = events.StepEnded(step, run.max_steps, loss, run.lr_scheduler.get_last_lr()[0], seconds,
-                                         images / seconds if seconds else None, dict(zip(parts, values, strict=True)))  # fmt: skip
-                history.append(ended.history_record())
-                events.publish(ended, listeners)
-                if step % config.checkpointing_steps == 0:
-                    save_checkpoint_now(method, run, step, history)
-                method.after_step(run, step)
-                if step >= run.max_steps:
-                    break
-                if ends_epoch:
-                    method.after_epoch(run, epoch, step)
-                began = time.perf_counter()
+    steps = schedule(run, start)
+    first = next(steps)
+    lay_out(method, run, first[1][0], first[0])
+    record_startup(run, called)
+    bar, listeners = events.run_listeners(accelerator, method.title, run.max_steps, step)
+    began = time.perf_counter()
+    # The bar is closed however the loop ends, so an error is printed on a line of its own.
+    with contextlib.closing(bar):
+        for epoch, micro_batches, ends_epoch in itertools.chain([first], steps):
+            local = method.step(run, micro_batches, epoch, step + 1)
+            step += 1
+            loss, *values = accelerator.reduce(local, reduction="mean").tolist()
+            seconds = time.perf_counter() - began
+            ended = events.StepEnded(step, run.max_steps, loss, run.lr_scheduler.get_last_lr()[0], seconds,
+                                     images / seconds if seconds else None, dict(zip(parts, values, strict=True)))  # fmt: skip
+            history.append(ended.history_record())
+            events.publish(ended, listeners)
+            if step % config.checkpointing_steps == 0:
+                save_checkpoint_now(method, run, step, history)
+            method.after_step(run, step)
+            if step >= run.max_steps:
+                break
+            if ends_epoch:
+                method.after_epoch(run, epoch, step)
+            began = time.perf_counter()
     return step
 
 
