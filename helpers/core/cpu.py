@@ -414,7 +414,7 @@ def keep_freed_memory() -> Iterator[bool]:
     pictures, then in every step activations and oneDNN's per-call copies of the convolution
     weights (up to 118 MB each). By default glibc serves blocks above 32 MiB with fresh ``mmap``
     pages and trims the heap, so every VAE call and every step page-faults the same memory in
-    again, and the weights' laid-out copies fault in what the encoding has just given back. Serving every block from the heap and never trimming it removes the faults, for a
+    again. Serving every block from the heap and never trimming it removes the faults, for a
     little more resident memory (the measured speed-up and memory: the ``keep_freed_memory`` row of
     the options table in docs/performance.md). The same effect as preloading tcmalloc,
     without installing it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -348,6 +349,29 @@ def test_a_run_that_fails_while_training_removes_the_pipeline_copy(tmp_path, mon
     with pytest.raises(RuntimeError, match="crashed in step 1"):
         ti.train(tiny_config(tmp_path, max_train_steps=2, save_as_full_pipeline=True))
     assert not list((tmp_path / "run").glob(".pipeline.*"))
+
+
+def test_the_vae_encodes_and_every_step_runs_in_kept_memory(tmp_path, monkeypatch):
+    """The run keeps freed memory (``cpu.keep_freed_memory``) from set-up to its end: the VAE's
+    encoding too, whose big blocks glibc would otherwise map afresh and unmap at every call."""
+    from helpers.training.engine import latents
+
+    seen = []
+    keep, encode, step = cpu.keep_freed_memory, latents.encode_views, ti.training_step
+
+    @contextlib.contextmanager
+    def kept():
+        with keep() as applied:
+            seen.append("kept")
+            yield applied
+        seen.append("given back")
+
+    monkeypatch.setattr(cpu, "keep_freed_memory", kept)
+    monkeypatch.setattr(latents, "encode_views", lambda *a: seen.append("encoded") or encode(*a))
+    monkeypatch.setattr(ti, "training_step", lambda *a: seen.append("step") or step(*a))
+    ti.train(tiny_config(tmp_path, max_train_steps=2, latent_cache=False))
+    encoded = seen.count("encoded")  # one per VAE call: every view, the cache being off
+    assert encoded >= 1 and seen == ["kept", *["encoded"] * encoded, "step", "step", "given back"]
 
 
 def test_bf16_run_keeps_the_saved_unet_fp32_and_untouched(tmp_path, monkeypatch):

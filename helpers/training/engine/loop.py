@@ -246,8 +246,8 @@ def train(method: Method, config) -> Any:
     """
     called = time.perf_counter()
     checked = method.check_inputs(config)  # the folder, pictures and checkpoint, before any model work
-    # Set-up and steps allocate and free gigabytes (the VAE's activations, the laid-out copies, each
-    # step's activations): freed memory is kept for what comes next instead of faulted in again (cpu.py).
+    # The VAE's encoding in set-up and every step allocate and free gigabytes: freed memory is kept
+    # for what comes next instead of faulted in again (cpu.keep_freed_memory).
     with hold_output_dir(config, method.layout), cpu.keep_freed_memory():  # one run per folder
         run = method.setup(config, checked)
         # Every rank has read the output folder's state (check_inputs) before the main process
