@@ -74,18 +74,11 @@ class CPUReport:
 
 @cache
 def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags (empty on systems without /proc/cpuinfo)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+    """The CPU's feature flags (empty on systems without /proc/cpuinfo, or without "flags" in it)."""
+    return frozenset(cpuinfo_field("flags", cpuinfo).split())
 
 
-def cpuinfo_field(key: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+def cpuinfo_field(key: str, cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str:
     """The first CPU's ``key`` in /proc/cpuinfo (``"model name"``, ``"cpu family"``...), "" if absent."""
     try:
         for line in Path(cpuinfo).read_text().splitlines():

@@ -246,9 +246,9 @@ def train(method: Method, config) -> Any:
     """
     called = time.perf_counter()
     checked = method.check_inputs(config)  # the folder, pictures and checkpoint, before any model work
-    # The VAE's encoding in set-up and every step allocate and free gigabytes: freed memory is kept
-    # for what comes next instead of faulted in again (cpu.keep_freed_memory).
-    with hold_output_dir(config, method.layout), cpu.keep_freed_memory():  # one run per folder
+    # One run per folder: a second is refused with our pid. The VAE's encoding in set-up and every
+    # step allocate and free gigabytes: freed memory is kept for what comes next (cpu.keep_freed_memory).
+    with hold_output_dir(config, method.layout), cpu.keep_freed_memory():
         run = method.setup(config, checked)
         # Every rank has read the output folder's state (check_inputs) before the main process
         # changes it (prepare_output_dir). Starting the process group usually waits for all ranks
