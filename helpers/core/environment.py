@@ -3,12 +3,16 @@
 ``python -m helpers.core.environment`` exits non-zero, naming each problem, when torchvision is
 installed (it breaks importing the CPU torch here), when torch is a CUDA build (a multi-GB
 download that is useless on these machines), or when a pinned package has another version.
+With ``--import_all`` (``make setup``) it then imports every module of helpers, so that Python
+caches the bytecode of all they import (pip installs without compiling it).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata as md
+import pkgutil
 import re
 import sys
 from pathlib import Path
@@ -67,9 +71,25 @@ def problems() -> list[str]:
     return found
 
 
+def import_all() -> list[str]:
+    """Import every module of helpers (the ``__main__`` stubs aside); their names, in order."""
+    import helpers
+
+    names = [
+        m.name
+        for m in pkgutil.walk_packages(helpers.__path__, "helpers.")
+        if not m.name.endswith(".__main__")
+    ]
+    for name in names:
+        importlib.import_module(name)
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``python -m helpers.core.environment`` takes no arguments (``--help`` says what it checks)."""
+    """``python -m helpers.core.environment [--import_all]`` (``--help`` says what it checks)."""
     parser = ArgumentParser(prog="python -m helpers.core.environment", description=__doc__.splitlines()[0])
+    parser.add_argument("--import_all", action="store_true",
+                        help="after the check, import every module of helpers (Python caches their bytecode)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -78,11 +98,12 @@ def main(args: argparse.Namespace) -> int:
     found = problems()
     for p in found:
         print(f"environment check: {p}", file=sys.stderr)
-    if not found:
-        print(
-            f"environment check: OK ({len(pinned_versions())} pinned packages, CPU-only torch, no torchvision)"
-        )
-    return 1 if found else 0
+    if found:
+        return 1
+    print(f"environment check: OK ({len(pinned_versions())} pinned packages, CPU-only torch, no torchvision)")
+    if args.import_all:
+        print(f"environment check: imported all {len(import_all())} modules of helpers")
+    return 0
 
 
 def cli(argv: list[str] | None = None) -> int:
