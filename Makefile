@@ -22,7 +22,7 @@ $(VENV)/.setup-done: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# --no-compile: pip would compile all 33,000 files of the environment (95 s of a 150 s install on 2
-	@# cores); the last line of this recipe compiles the 5,000 that helpers imports (about 20 s).
+	@# cores); the environment check's --import_all below compiles the 5,000 that helpers imports (about 20 s).
 	$(PY) -m pip install -q --no-compile -r requirements.txt
 	@# optimum-intel requires an unpinned torchvision that breaks the CPU torch: no dependencies.
 	$(PY) -m pip install -q --no-compile --no-deps -r requirements-nodeps.txt
