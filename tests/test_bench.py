@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -251,6 +252,22 @@ def test_process_age_counts_from_the_process_start_within_what_its_parent_saw():
     elapsed = time.monotonic() - before
     first, second = map(float, done.stdout.split())
     assert 0 < first and first + 0.3 <= second < elapsed
+
+
+def test_a_benchmarks_child_caches_its_bytecode_as_users_processes_do(monkeypatch):
+    """A shell's ``PYTHONDONTWRITEBYTECODE`` does not reach a benchmark's child, whether the child
+    inherits the benchmark's environment or is given one; the rest of that environment does. With
+    it, every child compiled what it imports afresh, which users' runs do not."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("BENCH_PROBE", "inherited")
+    code = "import os, sys; print(os.environ.get('PYTHONDONTWRITEBYTECODE'), os.environ['BENCH_PROBE'], sys.dont_write_bytecode)"
+    argv = [sys.executable, "-c", code]
+    opts = {"capture_output": True, "text": True, "check": True, "timeout": 60}
+    assert common.run(argv, **opts).stdout.split() == ["None", "inherited", "False"]
+    given = common.run(argv, env={**os.environ, "BENCH_PROBE": "given"}, **opts)
+    assert given.stdout.split() == ["None", "given", "False"]
+    with common.popen(argv, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.communicate(timeout=60)[0].split() == ["None", "inherited", "False"]
 
 
 @pytest.mark.parametrize("start", ["popen", "run"])
