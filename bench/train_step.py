@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -299,7 +298,7 @@ def _run_child(args: argparse.Namespace, mode: str, threads: int) -> dict[str, f
     cmd += ["--resolution", str(args.resolution), "--batch", str(args.batch), "--threads", str(threads)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--mixed_precision", args.mixed_precision]
-    proc = common.run(cmd, cwd=common.ROOT, capture_output=True, text=True, env=os.environ.copy())
+    proc = common.run(cmd, cwd=common.ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"memory child {mode} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
