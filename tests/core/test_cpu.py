@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import subprocess
@@ -86,7 +87,9 @@ def test_the_bf16_speedup_is_measured_on_one_thread_once():
     cpu.bf16_gemm_speedup.cache_clear()
     threads = torch.get_num_threads()
     speedup = cpu.bf16_gemm_speedup()
-    assert 0.01 < speedup < 100 and torch.get_num_threads() == threads
+    # a ratio of two timings: positive and finite is all it promises (an AVX2 CPU emulating bf16
+    # under a busy test run measured 0.009, a quiet one 0.02)
+    assert 0 < speedup < math.inf and torch.get_num_threads() == threads
     assert cpu.bf16_gemm_speedup() is speedup  # once per process
     assert cpu.bf16_gemm_speedup.cache_info().misses == 1
     if cpu.has_native_bf16() and "amx_bf16" not in cpu.cpu_flags():
